@@ -1,0 +1,1 @@
+"""Taylor-Calibrate: hybrid Gated DeltaNet conversion and distillation."""

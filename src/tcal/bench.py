@@ -1,0 +1,150 @@
+"""`tcal-bench [group ...] [-- hydra overrides]`: speed and memory figures, one JSON line each.
+
+Groups: `gdn` (GDN CPU path against fla's naive recurrent reference), `student` (student against teacher
+at 50% retention: forward, forward+backward, cache bytes, decode time). Ratios, not timed tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tcal.gdn import chunk_gated_delta_rule_torch
+
+
+def emit(figure: str, **values) -> dict:
+    line = {"figure": figure, **{k: round(v, 5) if isinstance(v, float) else v for k, v in values.items()}}
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def best_time(fn, repeats: int = 3) -> float:
+    """Minimum wall time over `repeats` runs after one warm-up (the least noisy estimate on a shared CPU)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _rule_inputs(T: int, heads: int = 9, dim: int = 64, batch: int = 1, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (F.normalize(torch.randn(batch, T, heads, dim, generator=gen), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(batch, T, heads, dim, generator=gen).requires_grad_()
+    g = (-torch.rand(batch, T, heads, generator=gen) * 0.1).requires_grad_()
+    beta = torch.rand(batch, T, heads, generator=gen).requires_grad_()
+    return q, k, v, g, beta
+
+
+def _fwd_bwd(rule, inputs):
+    def step():
+        o, _ = rule(*inputs)
+        o.sum().backward()
+    return step
+
+
+def bench_gdn(lengths=(512, 2048)) -> list[dict]:
+    """fwd+bwd of the CPU delta-rule path against fla's naive recurrent (and naive chunk) references."""
+    from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+
+    lines = []
+    for T in lengths:
+        q, k, v, g, beta = _rule_inputs(T)
+        ours = best_time(_fwd_bwd(chunk_gated_delta_rule_torch, (q, k, v, g, beta)))
+        recurrent = best_time(_fwd_bwd(naive_recurrent_gated_delta_rule, (q, k, v, beta, g)), repeats=1)
+        fla_chunk = best_time(_fwd_bwd(naive_chunk_gated_delta_rule, (q, k, v, g, beta)))
+        lines.append(emit(f"gdn_fwd_bwd_T{T}", shape=f"B=1,H=9,d=64,T={T}", torch_chunk_s=ours,
+                          fla_naive_recurrent_s=recurrent, fla_naive_chunk_s=fla_chunk,
+                          speedup_vs_recurrent=recurrent / ours, speedup_vs_fla_naive_chunk=fla_chunk / ours,
+                          target="speedup_vs_recurrent >= 5 at T=2048"))
+    return lines
+
+
+def cache_bytes(cache) -> int:
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+        for state in (getattr(layer, "recurrent_states", None) or {}).values():
+            if isinstance(state, torch.Tensor):
+                total += state.numel() * state.element_size()
+    return total
+
+
+@torch.no_grad()
+def _decode_time(model, context: torch.Tensor, steps: int = 8) -> tuple[float, int]:
+    """(seconds per generated token at `context` length, cache bytes after the prefill)."""
+    out = model(input_ids=context, use_cache=True)
+    cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+    size = cache_bytes(cache)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=nxt, cache=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - start) / steps, size
+
+
+def bench_student(teacher, keep_layers, batch=4, seq_len=512, context=4096) -> list[dict]:
+    from tcal.convert import build_student
+
+    student = build_student(teacher, keep_layers)
+    ids = torch.randint(0, teacher.config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    lines = []
+    with torch.no_grad():
+        fwd = {name: best_time(lambda m=m: m(input_ids=ids, use_cache=False)) for name, m in
+               (("teacher", teacher), ("student", student))}
+    lines.append(emit("student_forward", shape=f"{batch}x{seq_len}", teacher_s=fwd["teacher"], student_s=fwd["student"],
+                      ratio=fwd["student"] / fwd["teacher"], target="ratio <= 1.2"))
+
+    def train_step(model):
+        model.requires_grad_(True)
+        loss = model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    fb = {name: best_time(lambda m=m: train_step(m), repeats=2) for name, m in (("teacher", teacher), ("student", student))}
+    teacher.requires_grad_(False)
+    lines.append(emit("student_forward_backward", shape=f"{batch}x{seq_len}", teacher_s=fb["teacher"],
+                      student_s=fb["student"], ratio=fb["student"] / fb["teacher"], target="ratio <= 1.2"))
+    long = torch.randint(0, teacher.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(1))
+    t_dec, t_bytes = _decode_time(teacher, long)
+    s_dec, s_bytes = _decode_time(student, long)
+    lines.append(emit("cache_bytes", context=context, teacher_bytes=t_bytes, student_bytes=s_bytes,
+                      ratio=s_bytes / t_bytes, target="ratio <= 0.55"))
+    lines.append(emit("decode_per_token", context=context, teacher_s=t_dec, student_s=s_dec,
+                      ratio=s_dec / t_dec, target="ratio < 1"))
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("groups", nargs="*", default=["gdn", "student"], choices=["gdn", "student"])
+    parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    print(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__}), flush=True)
+    if "gdn" in args.groups:
+        bench_gdn()
+    if "student" in args.groups:
+        from hydra import compose, initialize_config_dir
+
+        from tcal.app import CONF_DIR
+        from tcal.retention.uniform import uniform_layers
+        from tcal.teachers.load import load_teacher
+
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose("config", overrides=args.override)
+        teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
+        bench_student(teacher, uniform_layers(teacher.config.num_hidden_layers, 0.5))
+
+
+if __name__ == "__main__":
+    main()

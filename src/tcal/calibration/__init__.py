@@ -1,0 +1,1 @@
+"""Teacher statistics and the Taylor-Calibrate init phases."""

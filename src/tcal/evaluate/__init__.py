@@ -1,0 +1,1 @@
+"""Perplexity, lm-eval harness and long-context evaluation."""

@@ -1,0 +1,167 @@
+"""RULER-style synthetic long-context tasks over held-out text, scored by exact match.
+
+Needles (key -> number statements, or chains of variable assignments) are hidden in a haystack of
+held-out lines that fills the prompt to about `length` tokens of the model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+import torch
+
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
+
+_ADJECTIVES = ("amber", "brisk", "calm", "dusky", "eager", "fallow", "gentle", "hollow", "idle", "jolly",
+               "keen", "lofty", "mellow", "noble", "olive", "placid", "quiet", "rustic", "silver", "tawny")
+_NOUNS = ("anchor", "badger", "candle", "dagger", "ember", "falcon", "garden", "harbor", "island", "jester",
+          "kettle", "lantern", "meadow", "needle", "orchard", "pillar", "quarry", "raven", "saddle", "thistle")
+_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+          "I will quiz you about the numbers afterwards.\n")
+_VT_INTRO = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n")
+_NUM_KEYS = 4      # needles in niah_multikey (one asked, the rest distract)
+_NUM_VALUES = 4    # values of the single key in niah_multivalue
+_CHAIN_HOPS = 4    # variables per chain in variable_tracking
+
+
+def make_ruler_examples(documents: list[str], tokenizer, length: int, task: str, n: int,
+                        seed: int) -> list[dict]:
+    """`n` examples {"prompt", "answer", "task", "length"} of about `length` tokens, deterministic from the seed."""
+    if task not in TASKS:
+        raise ValueError(f"unknown RULER task {task!r}; choose from {TASKS}")
+    lines = [line.strip() for doc in documents for line in doc.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("RULER tasks need non-empty held-out documents")
+    rng = random.Random(f"{seed}:{task}:{length}")
+    examples = []
+    for _ in range(n):
+        needles, question, answer = _NEEDLE_BUILDERS[task](rng)
+        intro = _VT_INTRO if task == "variable_tracking" else _INTRO
+        overhead = _count(tokenizer, intro + "\n".join(needles) + "\n" + question + " " + answer)
+        haystack = _haystack(lines, tokenizer, length - overhead, rng)
+        if not haystack:
+            raise ValueError(f"{task} at length {length}: the needles and question ({overhead} tokens) "
+                             "leave no room for haystack text")
+        positions = sorted(rng.randint(0, len(haystack)) for _ in needles)
+        for offset, (needle, pos) in enumerate(zip(needles, positions)):
+            haystack.insert(pos + offset, needle)
+        prompt = intro + "\n".join(haystack) + "\n" + question
+        examples.append({"prompt": prompt, "answer": answer, "task": task, "length": length})
+    return examples
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _haystack(lines: list[str], tokenizer, budget: int, rng: random.Random) -> list[str]:
+    """Consecutive held-out lines from a random start (wrapping) until `budget` tokens are used."""
+    start, taken, used = rng.randrange(len(lines)), [], 0
+    while used < budget and len(taken) < len(lines):
+        chunk = [lines[(start + len(taken) + k) % len(lines)] for k in range(min(64, len(lines) - len(taken)))]
+        for line, ids in zip(chunk, tokenizer([text + "\n" for text in chunk], add_special_tokens=False)["input_ids"]):
+            if used + len(ids) > budget:
+                return taken
+            taken.append(line)
+            used += len(ids)
+    return taken
+
+
+def _key(rng: random.Random) -> str:
+    return f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _needle(key: str, value: str) -> str:
+    return f"One of the special magic numbers for {key} is: {value}."
+
+
+def _distinct(make, count: int) -> list[str]:
+    items: list[str] = []
+    while len(items) < count:
+        if (item := make()) not in items:
+            items.append(item)
+    return items
+
+
+def _question(key: str) -> str:
+    return (f"What is the special magic number for {key} mentioned in the provided text? "
+            f"The special magic number for {key} mentioned in the provided text is")
+
+
+def _niah_single(rng):
+    key, value = _key(rng), _number(rng)
+    return [_needle(key, value)], _question(key), value
+
+
+def _niah_multikey(rng):
+    keys = _distinct(lambda: _key(rng), _NUM_KEYS)
+    values = [_number(rng) for _ in keys]
+    asked = rng.randrange(len(keys))
+    return [_needle(k, v) for k, v in zip(keys, values)], _question(keys[asked]), values[asked]
+
+
+def _niah_multivalue(rng):
+    key = _key(rng)
+    values = _distinct(lambda: _number(rng), _NUM_VALUES)
+    question = (f"What are all the special magic numbers for {key} mentioned in the provided text? "
+                f"The special magic numbers for {key} mentioned in the provided text are")
+    return [_needle(key, v) for v in values], question, ", ".join(values)
+
+
+def _variable_tracking(rng):
+    """One chain that carries the asked value and one distractor chain with another value."""
+    names = _distinct(lambda: "".join(rng.choice(string.ascii_uppercase) for _ in range(5)), 2 * _CHAIN_HOPS)
+    value, other = _number(rng), _number(rng)
+    chains = [names[:_CHAIN_HOPS], names[_CHAIN_HOPS:]]
+    statements = []
+    for hop in range(_CHAIN_HOPS):
+        for chain, start in zip(chains, (value, other)):
+            rhs = start if hop == 0 else f"VAR {chain[hop - 1]}"
+            statements.append(f"VAR {chain[hop]} = {rhs}.")
+    question = (f"Question: Find all variables that are assigned the value {value} in the text above. "
+                f"Answer: According to the chain(s) of variable assignment in the text above, "
+                f"{_CHAIN_HOPS} variables are assigned the value {value}, they are:")
+    return statements, question, ", ".join(chains[0])
+
+
+_NEEDLE_BUILDERS = {"niah_single": _niah_single, "niah_multikey": _niah_multikey,
+                    "niah_multivalue": _niah_multivalue, "variable_tracking": _variable_tracking}
+
+
+def normalize_answer(text: str) -> str:
+    """First line, stripped, final period dropped; comma lists compared as sorted sets."""
+    line = text.strip().split("\n")[0].strip().rstrip(".").strip()
+    return ", ".join(sorted(item.strip() for item in line.split(",")))
+
+
+def score_ruler(model, tokenizer, documents: list[str], lengths=DEFAULT_LENGTHS, tasks=TASKS, n: int = 20,
+                seed: int = 0, max_new_tokens: int | None = None) -> dict[str, dict[str, float]]:
+    """Exact-match accuracy of greedy generation: {str(length): {task: score}}.
+
+    Without `max_new_tokens`, each example may generate its answer's token count plus 8.
+    """
+    device = getattr(model, "device", "cpu")
+    scores: dict[str, dict[str, float]] = {}
+    for length in lengths:
+        scores[str(length)] = {}
+        for task in tasks:
+            examples = make_ruler_examples(documents, tokenizer, length, task, n, seed)
+            hits = [_generate(model, tokenizer, ex, device, max_new_tokens) == normalize_answer(ex["answer"])
+                    for ex in examples]
+            scores[str(length)][task] = sum(hits) / len(hits) if hits else float("nan")
+    return scores
+
+
+@torch.no_grad()
+def _generate(model, tokenizer, example: dict, device, max_new_tokens: int | None) -> str:
+    enc = tokenizer(example["prompt"], return_tensors="pt").to(device)
+    budget = max_new_tokens or _count(tokenizer, " " + example["answer"]) + 8
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(**enc, max_new_tokens=budget, do_sample=False, pad_token_id=pad)
+    return normalize_answer(tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))

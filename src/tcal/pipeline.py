@@ -1,0 +1,139 @@
+"""One conversion run (DESIGN section 2): teacher -> keep list -> student -> init -> zero-shot eval -> save.
+
+`run(cfg, run_dir)` is what the `tcal` entry calls; tests call it with composed configs. Bad settings fail
+before anything is written; results.json is rewritten atomically after each stage ("status" says how far
+the run got), so a crash leaves a readable record.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from tcal.convert import build_student
+from tcal.data import Splits, eval_sets, load_splits, token_windows
+from tcal.evaluate.perplexity import perplexity
+from tcal.gdn import kernel_path
+from tcal.init import apply_init
+from tcal.results import write_json_atomic
+from tcal.retention import select_layers
+from tcal.teachers import adapter_for
+from tcal.teachers.load import load_teacher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunContext:
+    """What the pluggable steps (retention policies, init modes) may read."""
+
+    cfg: object
+    teacher: torch.nn.Module
+    tokenizer: object
+    splits: Splits
+    cache_dir: Path
+    run_dir: Path
+
+    @property
+    def num_layers(self) -> int:
+        return self.teacher.config.num_hidden_layers
+
+
+@contextmanager
+def timed(timings: dict, step: str):
+    start = time.perf_counter()
+    yield
+    timings[step] = round(time.perf_counter() - start, 3)
+
+
+def prepare(cfg, run_dir: Path, timings: dict) -> RunContext:
+    torch.manual_seed(int(cfg.seed))
+    with timed(timings, "load_teacher"):
+        teacher, tokenizer = load_teacher(cfg.teacher, cfg.paths.cache_dir)
+    adapter_for(teacher.config)
+    with timed(timings, "load_data"):
+        splits = load_splits(cfg.data)
+    return RunContext(cfg, teacher, tokenizer, splits, Path(cfg.paths.cache_dir), Path(run_dir))
+
+
+def zero_shot(ctx: RunContext, student) -> dict:
+    """Teacher and student perplexity on every eval set."""
+    cfg = ctx.cfg.eval
+    metrics = {}
+    for name, docs in eval_sets(ctx.cfg.data, ctx.splits).items():
+        windows = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
+        metrics[name] = {
+            "teacher_ppl": perplexity(ctx.teacher, windows, int(cfg.batch_size), desc=f"teacher ppl {name}"),
+            "student_ppl": perplexity(student, windows, int(cfg.batch_size), desc=f"student ppl {name}"),
+        }
+    return metrics
+
+
+def format_table(metrics: dict) -> str:
+    rows = [f"{'eval set':<20}{'teacher ppl':>14}{'student ppl':>14}{'student/teacher':>17}"]
+    for name, m in metrics.items():
+        rows.append(f"{name:<20}{m['teacher_ppl']:>14.2f}{m['student_ppl']:>14.2f}"
+                    f"{m['student_ppl'] / m['teacher_ppl']:>16.2f}x")
+    return "\n".join(rows)
+
+
+def save_student(student, tokenizer, folder: Path) -> None:
+    """save_pretrained into a temporary folder, then rename: a checkpoint is whole or absent."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    student.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def run(cfg, run_dir: str | Path) -> dict:
+    run_dir = Path(run_dir)
+    timings: dict[str, float] = {}
+    ctx = prepare(cfg, run_dir, timings)
+    with timed(timings, "retention"):
+        selection = select_layers(cfg.retention, ctx)
+    with timed(timings, "convert"):
+        student = build_student(ctx.teacher, selection.keep_layers, cfg.init.gqa_expansion, int(cfg.seed))
+    device = next(student.parameters()).device
+    results = {
+        "teacher": {"name": cfg.teacher.name, "num_layers": ctx.num_layers},
+        "retention": cfg.retention.name,
+        "ratio": cfg.retention.get("ratio"),
+        "keep_layers": selection.keep_layers,
+        "retention_scores": {str(k): v for k, v in selection.scores.items()},
+        "init_mode": cfg.init.name,
+        "kernel_path": kernel_path(device),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "status": "converted",
+        "timings": timings,
+    }
+    results_path = run_dir / "results.json"
+    write_json_atomic(results_path, results)
+    log.info("keep layers (%s): %s; GDN kernel path: %s", cfg.retention.name, selection.keep_layers, kernel_path(device))
+
+    with timed(timings, "init"):
+        results["calibration"] = apply_init(student, cfg.init, ctx)
+    results["status"] = "initialized"
+    write_json_atomic(results_path, results)
+
+    with timed(timings, "evaluate"):
+        results["metrics"] = zero_shot(ctx, student)
+    print(format_table(results["metrics"]), flush=True)
+    if cfg.save_student:
+        with timed(timings, "save"):
+            save_student(student, ctx.tokenizer, run_dir / "student")
+        results["student_path"] = str(run_dir / "student")
+    results["status"] = "complete"
+    write_json_atomic(results_path, results)
+    print(f"results: {results_path}", flush=True)
+    return results

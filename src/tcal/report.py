@@ -1,0 +1,373 @@
+"""`tcal-report`: turn a run or multirun folder of results.json files into the paper's tables and plots.
+
+Writes report.md, one CSV per table (same cells as the Markdown) and one PNG of perplexity against
+tokens seen per teacher x policy x ratio x eval set, then prints the Markdown. Runs that cannot be
+used are listed with the reason, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tcal.evaluate.local_tasks import nlu_average
+
+INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full")
+ABLATION_INITS = ("naive", "zero_gate", "phase1", "phase2", "full")
+TARGET_MULTIPLES = (1.10, 1.15, 1.20, 1.25)
+MISSING = "-"
+
+Table = tuple[list[str], list[list[str]]]
+
+
+# --- formatting: every number in the report goes through one of these ---
+
+def fmt_ppl(x: float | None) -> str:
+    if x is None:
+        return MISSING
+    return f"{x:,.1f}" if x > 1000 else f"{x:.2f}"
+
+
+def fmt_ratio(x: float | None, bound: str = "") -> str:
+    if x is None:
+        return "n/a"
+    return f"{bound}inf" if math.isinf(x) else f"{bound}{x:.2f}x"
+
+
+def fmt_score(x: float | None) -> str:
+    return MISSING if x is None else f"{x:.3f}"
+
+
+def fmt_tokens(n: int) -> str:
+    return f"{n:,}"
+
+
+# --- loading ---
+
+class IncompleteRun(Exception):
+    """A results.json the tables cannot use; the message says why."""
+
+
+@dataclass
+class Run:
+    """One complete results.json, flattened to what the tables need."""
+
+    path: Path
+    teacher: str
+    policy: str
+    ratio: float
+    init: str
+    teacher_ppl: dict[str, float]
+    student_ppl: dict[str, float]
+    nlu: dict[str, float | None]     # role ("teacher" / "student") -> NLU average
+    ruler: dict[str, float | None]   # role -> mean over lengths and tasks
+    curve: list[tuple[int, dict[str, float]]]
+
+    @property
+    def group(self) -> tuple[str, str, float]:
+        return (self.teacher, self.policy, self.ratio)
+
+
+def _require(data: dict, dotted: str):
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise IncompleteRun(f"missing key '{dotted}'")
+        node = node[part]
+    return node
+
+
+def load_run(path: Path) -> Run:
+    """Parse one results.json; raises IncompleteRun naming the missing key or the problem."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise IncompleteRun(f"unreadable: {err}") from None
+    if not isinstance(data, dict):
+        raise IncompleteRun("not a JSON object")
+    status = _require(data, "status")
+    if status != "complete":
+        raise IncompleteRun(f"status is {status!r}")
+    try:
+        return _normalize(Path(path), data)
+    except KeyError as err:
+        raise IncompleteRun(f"malformed: missing key {err}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as err:
+        raise IncompleteRun(f"malformed: {err}") from None
+
+
+def _normalize(path: Path, data: dict) -> Run:
+    metrics = _require(data, "metrics")
+    ratio = data.get("ratio")
+    if ratio is None:
+        ratio = len(_require(data, "keep_layers")) / _require(data, "teacher.num_layers")
+    if not _ppl_by_set(metrics, "student_ppl"):
+        raise IncompleteRun("missing key 'metrics.<eval set>.student_ppl'")
+    harness, ruler = data.get("harness") or {}, data.get("ruler") or {}
+    return Run(
+        path=path, teacher=str(_require(data, "teacher.name")), policy=str(_require(data, "retention")),
+        ratio=round(float(ratio), 4), init=str(_require(data, "init_mode")),
+        teacher_ppl=_ppl_by_set(metrics, "teacher_ppl"), student_ppl=_ppl_by_set(metrics, "student_ppl"),
+        nlu={role: nlu_average(harness[role]) if harness.get(role) else None for role in ("teacher", "student")},
+        ruler={role: _mean(v for by_task in (ruler.get(role) or {}).values() for v in by_task.values())
+               for role in ("teacher", "student")},
+        curve=sorted(((int(p["tokens_seen"]), {k: float(v) for k, v in p["ppl"].items()})
+                      for p in data.get("curve") or []), key=lambda point: point[0]),
+    )
+
+
+def _ppl_by_set(metrics: dict, key: str) -> dict[str, float]:
+    return {name: float(m[key]) for name, m in metrics.items() if isinstance(m, dict) and m.get(key) is not None}
+
+
+def _mean(values) -> float | None:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else None
+
+
+def collect(folder: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
+    """Every results.json below `folder`: the usable runs and (path, reason) for the rest."""
+    runs, problems, seen = [], [], {}
+    for path in sorted(Path(folder).rglob("results.json")):
+        try:
+            run = load_run(path)
+        except IncompleteRun as err:
+            problems.append((path, str(err)))
+            continue
+        key = (run.group, run.init)
+        if key in seen:
+            problems.append((path, f"duplicate of {seen[key]} (same teacher, policy, ratio, init); ignored"))
+            continue
+        seen[key] = path
+        runs.append(run)
+    return runs, problems
+
+
+# --- tables ---
+
+def _groups(runs: list[Run]) -> dict[tuple, dict[str, Run]]:
+    groups: dict[tuple, dict[str, Run]] = {}
+    for run in runs:
+        groups.setdefault(run.group, {})[run.init] = run
+    return dict(sorted(groups.items()))
+
+
+def _init_columns(runs: list[Run]) -> list[str]:
+    present = {run.init for run in runs}
+    return [i for i in INIT_ORDER if i in present] + sorted(present - set(INIT_ORDER))
+
+
+def _eval_sets(by_init: dict[str, Run]) -> list[str]:
+    return sorted({s for run in by_init.values() for s in (*run.student_ppl, *run.teacher_ppl)})
+
+
+def _teacher_value(by_init: dict[str, Run], get):
+    return next((v for run in by_init.values() if (v := get(run)) is not None), None)
+
+
+def _row_head(group: tuple, eval_set: str) -> list[str]:
+    teacher, policy, ratio = group
+    return [teacher, policy, f"{ratio:g}", eval_set]
+
+
+def zero_shot_table(runs: list[Run]) -> Table:
+    inits = _init_columns(runs)
+    nlu_inits = [i for i in inits if any(r.init == i and r.nlu["student"] is not None for r in runs)]
+    ruler_inits = [i for i in inits if any(r.init == i and r.ruler["student"] is not None for r in runs)]
+    extra = [name for name, attr in (("teacher NLU avg", "nlu"), ("teacher RULER", "ruler"))
+             if any(getattr(r, attr)["teacher"] is not None for r in runs)]
+    header = ["teacher", "policy", "ratio", "eval set", "teacher PPL", *inits,
+              *extra, *(f"NLU avg {i}" for i in nlu_inits), *(f"RULER {i}" for i in ruler_inits)]
+    rows = []
+    for group, by_init in _groups(runs).items():
+        teacher_scores = {"teacher NLU avg": _teacher_value(by_init, lambda r: r.nlu["teacher"]),
+                          "teacher RULER": _teacher_value(by_init, lambda r: r.ruler["teacher"])}
+        for eval_set in _eval_sets(by_init):
+            rows.append([
+                *_row_head(group, eval_set),
+                fmt_ppl(_teacher_value(by_init, lambda r: r.teacher_ppl.get(eval_set))),
+                *(fmt_ppl(by_init[i].student_ppl.get(eval_set)) if i in by_init else MISSING for i in inits),
+                *(fmt_score(teacher_scores[name]) for name in extra),
+                *(fmt_score(by_init[i].nlu["student"]) if i in by_init else MISSING for i in nlu_inits),
+                *(fmt_score(by_init[i].ruler["student"]) if i in by_init else MISSING for i in ruler_inits),
+            ])
+    return header, rows
+
+
+def ablation_table(runs: list[Run]) -> Table:
+    header = ["teacher", "policy", "ratio", "eval set", *ABLATION_INITS, "naive/full", "phase2/full"]
+    rows = []
+    for group, by_init in _groups(runs).items():
+        for eval_set in _eval_sets(by_init):
+            ppl = {i: by_init[i].student_ppl.get(eval_set) if i in by_init else None for i in ABLATION_INITS}
+            full = ppl["full"]
+            ratios = [fmt_ratio(ppl[i] / full if ppl[i] is not None and full else None)
+                      for i in ("naive", "phase2")]
+            rows.append([*_row_head(group, eval_set), *(fmt_ppl(ppl[i]) for i in ABLATION_INITS), *ratios])
+    return header, rows
+
+
+@dataclass
+class Reach:
+    """When a curve first gets to a target: kind is 'exact', 'upper' (first evaluation) or 'never'."""
+
+    tokens: int
+    kind: str
+
+    def cell(self) -> str:
+        return {"exact": fmt_tokens(self.tokens), "upper": f"<={fmt_tokens(self.tokens)}",
+                "never": "not reached"}[self.kind]
+
+
+def reach(points: list[tuple[int, float]], target: float) -> Reach:
+    for index, (tokens, ppl) in enumerate(points):
+        if ppl <= target:
+            return Reach(tokens, "upper" if index == 0 else "exact")
+    return Reach(points[-1][0], "never")
+
+
+def efficiency_ratio(base: Reach, calibrated: Reach) -> str:
+    """baseline tokens / calibrated tokens, as a bound when either side is only bounded."""
+    if calibrated.kind == "never" or (base.kind == "upper" and calibrated.kind == "upper"):
+        return "n/a"
+    value = base.tokens / calibrated.tokens if calibrated.tokens else math.inf
+    if base.kind == "upper":
+        return fmt_ratio(value, "<=")
+    return fmt_ratio(value, ">=" if base.kind == "never" or calibrated.kind == "upper" else "")
+
+
+def _series(run: Run, eval_set: str) -> list[tuple[int, float]]:
+    return [(tokens, ppl[eval_set]) for tokens, ppl in run.curve if eval_set in ppl]
+
+
+def efficiency_table(runs: list[Run], baseline: str, calibrated: str) -> tuple[Table, list[str]]:
+    """Token-efficiency rows, plus notes on groups that could not be compared."""
+    header = ["teacher", "policy", "ratio", "eval set", "target", "target PPL",
+              f"{baseline} tokens", f"{calibrated} tokens", "ratio"]
+    rows, notes = [], []
+    for group, by_init in _groups(runs).items():
+        label = " / ".join(_row_head(group, "")[:3])
+        if baseline not in by_init or calibrated not in by_init:
+            notes.append(f"{label}: no {baseline if baseline not in by_init else calibrated} run")
+            continue
+        base_run, cal_run = by_init[baseline], by_init[calibrated]
+        for eval_set in sorted({s for _, p in base_run.curve + cal_run.curve for s in p}):
+            base, cal = _series(base_run, eval_set), _series(cal_run, eval_set)
+            if not base or not cal:
+                notes.append(f"{label} / {eval_set}: no curve for {baseline if not base else calibrated}")
+                continue
+            teacher_ppl = _teacher_value(by_init, lambda r: r.teacher_ppl.get(eval_set))
+            targets = [(f"{m:.2f}x teacher", m * teacher_ppl) for m in TARGET_MULTIPLES if teacher_ppl]
+            targets.append((f"{baseline} final", base[-1][1]))
+            for name, target in targets:
+                b, c = reach(base, target), reach(cal, target)
+                rows.append([*_row_head(group, eval_set), name, fmt_ppl(target), b.cell(), c.cell(),
+                             efficiency_ratio(b, c)])
+    return (header, rows), notes
+
+
+# --- output ---
+
+def _atomic(path: Path, write) -> None:
+    """`write(tmp)` into a sibling temporary file, then rename it over `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    _atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def markdown_table(table: Table) -> str:
+    header, rows = table
+    if not rows:
+        return "_No rows._\n"
+    lines = [header, ["---"] * len(header), *rows]
+    return "".join("| " + " | ".join(c.replace("|", "\\|") for c in line) + " |\n" for line in lines)
+
+
+def write_csv(path: Path, table: Table) -> None:
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerows([table[0], *table[1]])
+    _write_text(path, buffer.getvalue())
+
+
+def _slug(*parts) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", "_".join(str(p) for p in parts)).strip("-")
+
+
+def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
+    """One log-scale PPL-vs-tokens PNG per teacher x policy x ratio x eval set, a line per init."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    inits = _init_columns(runs)
+    for (teacher, policy, ratio), by_init in _groups(runs).items():
+        for eval_set in sorted({s for run in by_init.values() for _, p in run.curve for s in p}):
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for init in (i for i in inits if i in by_init and _series(by_init[i], eval_set)):
+                tokens, ppl = zip(*_series(by_init[init], eval_set))
+                ax.plot(tokens, ppl, marker="o", label=init)
+            teacher_ppl = _teacher_value(by_init, lambda r: r.teacher_ppl.get(eval_set))
+            if teacher_ppl:
+                ax.axhline(teacher_ppl, color="gray", linestyle="--", label="teacher")
+            ax.set(yscale="log", xlabel="tokens seen", ylabel=f"perplexity ({eval_set})",
+                   title=f"{teacher} / {policy} / ratio {ratio:g}")
+            ax.legend()
+            path = out_dir / f"{_slug('curve', teacher, policy, f'r{ratio:g}', eval_set)}.png"
+            _atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+            plt.close(fig)
+            paths.append(path)
+    return paths
+
+
+def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calibrated: str = "full") -> str:
+    """Write every table, CSV and plot into `out_dir`; return the Markdown."""
+    folder, out_dir = Path(folder), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs, problems = collect(folder)
+    efficiency, notes = efficiency_table(runs, baseline, calibrated)
+    tables = {"zero_shot": ("Zero-shot perplexity (student; NLU avg and RULER are student scores)",
+                            zero_shot_table(runs)),
+              "phase_ablation": ("Phase ablation", ablation_table(runs)),
+              "token_efficiency": (f"Token efficiency ({baseline} vs {calibrated})", efficiency)}
+    parts = [f"# tcal report: {folder}\n\n{len(runs)} complete runs, {len(problems)} incomplete.\n"]
+    for name, (title, table) in tables.items():
+        write_csv(out_dir / f"{name}.csv", table)
+        parts.append(f"## {title}\n\n{markdown_table(table)}")
+    parts[-1] += "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")  # efficiency notes
+    plots = plot_curves(runs, out_dir)
+    parts.append("## Plots\n\n" + ("".join(f"- ![{p.stem}]({p.name})\n" for p in plots) or "_No curves._\n"))
+    listed = "".join(f"- `{path.relative_to(folder)}`: {why}\n" for path, why in problems)
+    parts.append("## Incomplete runs\n\n" + (listed or "None.\n"))
+    markdown = "\n".join(parts)
+    _write_text(out_dir / "report.md", markdown)
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tcal-report", description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="a run or multirun folder (searched recursively)")
+    parser.add_argument("--out", type=Path, help="output folder (default: FOLDER/report)")
+    parser.add_argument("--baseline", default="zero_gate", help="init whose tokens are the numerator of the efficiency ratio")
+    parser.add_argument("--calibrated", default="full", help="init whose tokens are the denominator")
+    args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        parser.error(f"{args.folder} is not a folder")
+    print(build_report(args.folder, args.out or args.folder / "report", args.baseline, args.calibrated))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

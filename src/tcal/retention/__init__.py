@@ -1,0 +1,31 @@
+"""Retained-layer policies: which layers stay softmax attention (DESIGN section 6).
+
+A policy is `fn(cfg, ctx) -> Selection`, registered by name; `cfg` is the `retention` config node and `ctx`
+the run's `RunContext` (teacher, tokenizer, data splits, init config, cache folder).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tcal.registry import Registry
+
+POLICIES = Registry("retention policy", __name__)
+
+
+@dataclass
+class Selection:
+    keep_layers: list[int]
+    scores: dict[int, float] = field(default_factory=dict)
+
+
+def num_kept(ratio: float, num_layers: int) -> int:
+    """K = round(ratio * L), halves rounded up, at least 1; ratio must lie in (0, 1]."""
+    ratio = float(ratio)
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"retention.ratio={ratio} must lie in (0, 1]")
+    return max(1, min(num_layers, int(ratio * num_layers + 0.5)))
+
+
+def select_layers(cfg, ctx) -> Selection:
+    return POLICIES[cfg.name](cfg, ctx)

@@ -1,0 +1,121 @@
+"""Loading teachers and tokenizers: a GGUF file shipped in a pip package, a hub id or local folder, or a
+tiny random config for tests. Every path ends in a plain `PreTrainedModel` in eval mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from tcal.teachers import adapter_for
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def package_file(package: str, filename: str) -> Path:
+    """A data file inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (it ships {filename})")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{filename} not found in package {package!r} at {path}")
+    return path
+
+
+def _looks_local(path: str) -> bool:
+    """Hub ids are `org/name`; anything rooted or deeper is meant as a folder."""
+    return path.startswith((".", "/", "~")) or path.count("/") > 1
+
+
+def resolve_pretrained(path: str) -> str:
+    """A local folder, or a hub id; fails clearly for a missing local folder or an unreachable hub."""
+    expanded = Path(path).expanduser()
+    if expanded.is_dir():
+        return str(expanded)
+    if _looks_local(path):
+        raise FileNotFoundError(f"teacher.path={path!r}: no such local folder")
+    return path
+
+
+def _from_pretrained(loader, path: str, **kwargs):
+    try:
+        return loader.from_pretrained(path, **kwargs)
+    except OSError as err:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        hint = "HF_HUB_OFFLINE is set" if offline else "the model hub may be unreachable from this machine"
+        raise RuntimeError(
+            f"teacher.path={path!r} is not a local folder and could not be loaded from the hub ({hint}). "
+            f"Download it elsewhere and pass teacher.path=/local/folder. Cause: {err}"
+        ) from err
+
+
+def _gguf_cached(cfg, cache_dir: Path, dtype: torch.dtype) -> Path:
+    """Convert the packaged GGUF teacher once into a safetensors folder (dequantized, tokenizer included)."""
+    folder = cache_dir / "teachers" / cfg.name
+    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        return folder
+    gguf = package_file(cfg.package, cfg.gguf_file)
+    log.info("converting %s to safetensors in %s (once)", gguf.name, folder)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plain.load_state_dict(quantized.state_dict())
+    tmp = folder.with_name(folder.name + ".tmp")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    return folder
+
+
+def load_tokenizer(cfg, cache_dir: str | Path):
+    """The teacher's tokenizer, or the one its `tokenizer` node names (tiny test teachers borrow SmolLM2's)."""
+    source = cfg.get("tokenizer") or cfg
+    if source.get("path"):
+        return _from_pretrained(AutoTokenizer, resolve_pretrained(source.path))
+    if source.get("gguf_file"):
+        return AutoTokenizer.from_pretrained(_gguf_cached(source, Path(cache_dir), torch.float32))
+    raise ValueError(f"teacher {cfg.name!r} names no tokenizer: set teacher.path or teacher.tokenizer")
+
+
+def load_teacher(cfg, cache_dir: str | Path):
+    """(teacher model in eval mode, tokenizer) from a `conf/teacher/*.yaml` node."""
+    dtype = torch_dtype(cfg.dtype)
+    cache_dir = Path(cache_dir)
+    attn = cfg.get("attn_implementation", "sdpa")
+    if cfg.get("path"):
+        path = resolve_pretrained(cfg.path)
+        adapter_for(_from_pretrained(AutoConfig, path))
+        model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attn)
+    elif cfg.get("gguf_file"):
+        folder = _gguf_cached(cfg, cache_dir, dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)
+    elif cfg.get("config"):
+        config = AutoConfig.for_model(**dict(cfg.config))
+        adapter_for(config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.get("seed", 0))
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    else:
+        raise ValueError(f"teacher {cfg.name!r} needs one of: path (hub id or folder), gguf_file, config")
+    adapter_for(model.config).check(model)
+    model.eval().requires_grad_(False)
+    return model, load_tokenizer(cfg, cache_dir)

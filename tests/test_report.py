@@ -1,0 +1,151 @@
+"""tcal-report on a hand-made multirun folder: exact table cells, CSVs, PNGs and the incomplete runs."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tcal import report
+from tcal.report import Reach, efficiency_ratio, fmt_ppl, fmt_ratio, main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _curve(points):
+    return [{"tokens_seen": t, "ppl": {"shakespeare": p}} for t, p in points]
+
+
+def _result(policy, init, student_ppl, curve=None, **extra):
+    data = {"teacher": {"name": "t1", "num_layers": 4}, "retention": policy, "keep_layers": [0, 2],
+            "init_mode": init, "status": "complete",
+            "metrics": {"shakespeare": {"teacher_ppl": 20.0, "student_ppl": student_ppl}}}
+    if policy == "uniform":
+        data["ratio"] = 0.5  # the explicit policy has no ratio: 2 of 4 layers gives 0.5 too
+    if curve is not None:
+        data["curve"] = _curve(curve)
+    data.update(extra)
+    return data
+
+
+@pytest.fixture
+def multirun(tmp_path):
+    runs = {
+        "uniform_naive": _result("uniform", "naive", 1500.0, [(0, 1500.0), (1000, 30.0), (2000, 25.0)]),
+        "uniform_zero_gate": _result("uniform", "zero_gate", 40.0,
+                                     [(0, 40.0), (1000, 26.0), (2000, 23.5), (3000, 22.8)]),
+        "uniform_phase2": _result("uniform", "phase2", 27.5),
+        "uniform_full": _result(
+            "uniform", "full", 25.0, [(0, 25.3), (1000, 22.5), (2000, 21.5), (3000, 21.0)],
+            harness={"teacher": {"tcal_cloze": {"acc": 0.6}, "tcal_nextline": {"acc": 0.5, "acc_norm": 0.7}},
+                     "student": {"tcal_cloze": {"acc": 0.4, "perplexity": 50.0},
+                                 "tcal_nextline": {"acc": 0.3, "acc_norm": 0.5}}},
+            ruler={"student": {"512": {"niah_single": 1.0, "niah_multikey": 0.5},
+                               "1024": {"niah_single": 0.5, "niah_multikey": 0.0}}}),
+        "explicit_naive": _result("explicit", "naive", 2180.0, [(500, 2180.0), (2000, 90.0)]),
+        "explicit_zero_gate": _result("explicit", "zero_gate", 22.9, [(500, 22.9), (1000, 21.9), (2000, 21.0)]),
+        "explicit_full": _result("explicit", "full", 21.8, [(500, 21.8), (1000, 21.2), (2000, 20.5)]),
+    }
+    running = _result("uniform", "phase1", 30.0)
+    running["status"] = "running"
+    del running["metrics"]
+    no_init = _result("explicit", "phase1", 30.0)
+    del no_init["init_mode"]
+    for name, data in {**runs, "running": running, "no_init": no_init}.items():
+        folder = tmp_path / "multirun" / name
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps(data))
+    corrupt = tmp_path / "multirun" / "corrupt" / "nested"
+    corrupt.mkdir(parents=True)
+    (corrupt / "results.json").write_text('{"teacher": {"name": "t1"')
+    return tmp_path / "multirun"
+
+
+def _rows(path):
+    with open(path, newline="") as handle:
+        return list(csv.reader(handle))
+
+
+def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
+    assert main([str(multirun)]) == 0
+    out = multirun / "report"
+    printed = capsys.readouterr().out
+    assert printed.strip() == (out / "report.md").read_text().strip()
+
+    assert _rows(out / "zero_shot.csv") == [
+        ["teacher", "policy", "ratio", "eval set", "teacher PPL", "naive", "zero_gate", "phase2", "full",
+         "teacher NLU avg", "NLU avg full", "RULER full"],
+        ["t1", "explicit", "0.5", "shakespeare", "20.00", "2,180.0", "22.90", "-", "21.80", "-", "-", "-"],
+        ["t1", "uniform", "0.5", "shakespeare", "20.00", "1,500.0", "40.00", "27.50", "25.00",
+         "0.650", "0.450", "0.500"],
+    ]
+    assert _rows(out / "phase_ablation.csv") == [
+        ["teacher", "policy", "ratio", "eval set", "naive", "zero_gate", "phase1", "phase2", "full",
+         "naive/full", "phase2/full"],
+        ["t1", "explicit", "0.5", "shakespeare", "2,180.0", "22.90", "-", "-", "21.80", "100.00x", "n/a"],
+        ["t1", "uniform", "0.5", "shakespeare", "1,500.0", "40.00", "-", "27.50", "25.00", "60.00x", "1.10x"],
+    ]
+    head = ["t1", "explicit", "0.5", "shakespeare"]
+    uni = ["t1", "uniform", "0.5", "shakespeare"]
+    assert _rows(out / "token_efficiency.csv") == [
+        ["teacher", "policy", "ratio", "eval set", "target", "target PPL", "zero_gate tokens", "full tokens",
+         "ratio"],
+        head + ["1.10x teacher", "22.00", "1,000", "<=500", ">=2.00x"],
+        head + ["1.15x teacher", "23.00", "<=500", "<=500", "n/a"],
+        head + ["1.20x teacher", "24.00", "<=500", "<=500", "n/a"],
+        head + ["1.25x teacher", "25.00", "<=500", "<=500", "n/a"],
+        head + ["zero_gate final", "21.00", "2,000", "2,000", "1.00x"],
+        uni + ["1.10x teacher", "22.00", "not reached", "2,000", ">=1.50x"],
+        uni + ["1.15x teacher", "23.00", "3,000", "1,000", "3.00x"],
+        uni + ["1.20x teacher", "24.00", "2,000", "1,000", "2.00x"],
+        uni + ["1.25x teacher", "25.00", "2,000", "1,000", "2.00x"],
+        uni + ["zero_gate final", "22.80", "3,000", "1,000", "3.00x"],
+    ]
+    md = (out / "report.md").read_text()
+    assert "| t1 | uniform | 0.5 | shakespeare | 1,500.0 | 40.00 | - | 27.50 | 25.00 | 60.00x | 1.10x |" in md
+
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["curve_t1_explicit_r0.5_shakespeare.png", "curve_t1_uniform_r0.5_shakespeare.png"]
+    for name in pngs:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+        assert f"]({name})" in md
+    assert not list(out.glob("*.tmp"))
+
+    incomplete = md.split("## Incomplete runs")[1]
+    assert "`running/results.json`: status is 'running'" in incomplete
+    assert "`no_init/results.json`: missing key 'init_mode'" in incomplete
+    assert "`corrupt/nested/results.json`: unreadable" in incomplete
+    assert "7 complete runs, 3 incomplete." in md
+
+
+def test_other_baseline_and_out_folder(multirun, tmp_path):
+    """--baseline naive: the explicit naive curve starts above every target, so no bounds there."""
+    out = tmp_path / "elsewhere"
+    main([str(multirun), "--out", str(out), "--baseline", "naive"])
+    rows = _rows(out / "token_efficiency.csv")
+    assert rows[0][6:8] == ["naive tokens", "full tokens"]
+    assert rows[1] == ["t1", "explicit", "0.5", "shakespeare", "1.10x teacher", "22.00", "not reached", "<=500",
+                       ">=4.00x"]
+    assert not (multirun / "report").exists()
+
+
+def test_efficiency_ratio_bounds():
+    assert efficiency_ratio(Reach(1000, "upper"), Reach(500, "exact")) == "<=2.00x"
+    assert efficiency_ratio(Reach(1000, "exact"), Reach(500, "upper")) == ">=2.00x"
+    assert efficiency_ratio(Reach(3000, "never"), Reach(1000, "exact")) == ">=3.00x"
+    assert efficiency_ratio(Reach(3000, "exact"), Reach(1000, "never")) == "n/a"
+    assert efficiency_ratio(Reach(500, "upper"), Reach(500, "upper")) == "n/a"
+    assert report.reach([(0, 30.0), (100, 20.0)], 20.0) == Reach(100, "exact")
+
+
+def test_formatting():
+    assert fmt_ppl(29.4) == "29.40" and fmt_ppl(1000.0) == "1000.00" and fmt_ppl(12345.67) == "12,345.7"
+    assert fmt_ppl(None) == "-" and fmt_ratio(2.0) == "2.00x" and fmt_ratio(None) == "n/a"
+
+
+def test_console_script(multirun, tmp_path):
+    out = tmp_path / "cli"
+    done = subprocess.run([sys.executable, "-m", "tcal.report", str(multirun), "--out", str(out)],
+                          capture_output=True, text=True, check=True)
+    assert "## Token efficiency" in done.stdout and (out / "zero_shot.csv").exists()

