@@ -1,7 +1,9 @@
 """`tcal-bench [group ...] [-- hydra overrides]`: speed and memory figures, one JSON line each.
 
 Groups: `gdn` (GDN CPU path against fla's naive recurrent reference), `student` (student against teacher
-at 50% retention: forward, forward+backward, cache bytes, decode time). Ratios, not timed tests.
+at 50% retention: forward, forward+backward, cache bytes, decode time), `stats` (peak memory of the
+streaming statistics at T=4096 against a plain forward), `init` (Phase 2 step against one GDN
+forward+backward; wall time of the `full` init). Ratios, not timed tests.
 """
 
 from __future__ import annotations
@@ -124,16 +126,70 @@ def bench_student(teacher, keep_layers, batch=4, seq_len=512, context=4096) -> l
     return lines
 
 
+def bench_stats(teacher, seq_len=4096) -> dict:
+    from tcal.calibration.stats import peak_memory_report
+
+    report = peak_memory_report(teacher, seq_len)
+    return emit("stats_peak_memory", **report, target="stats_over_plain_peak <= 1.3")
+
+
+def bench_phase2_step(teacher, cfg, layer: int = 1, steps: int = 20) -> dict:
+    """Phase 2 seconds per step on one layer, against one forward+backward of that GDN on the same batch."""
+    from tcal.calibration.align import alignment_loss, align_layer
+    from tcal.calibration.stats import collect_teacher_stats
+    from tcal.convert import naive_gdn
+
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, teacher.config.vocab_size, (int(cfg.batch_size), int(cfg.seq_len)), generator=gen)
+    stats = collect_teacher_stats(teacher, batch, layers=[layer])[layer]
+    gdn = naive_gdn(teacher, layer)
+
+    def fwd_bwd():
+        alignment_loss(gdn, stats.inputs, stats.attn_output).backward()
+        gdn.zero_grad(set_to_none=True)
+
+    plain = best_time(fwd_bwd)
+    phase2 = dict(cfg.phase2) | {"steps": steps}
+    start = time.perf_counter()
+    align_layer(naive_gdn(teacher, layer), stats.inputs, stats.attn_output, _Node(phase2))
+    per_step = (time.perf_counter() - start) / steps
+    return emit("phase2_step", batch=f"{cfg.batch_size}x{cfg.seq_len}", layer=layer, fwd_bwd_s=plain,
+                phase2_step_s=per_step, ratio=per_step / plain, target="ratio <= 1.2")
+
+
+class _Node(dict):
+    __getattr__ = dict.__getitem__
+
+
+def bench_full_init(cfg) -> dict:
+    """Wall time of `tcal init=full` (conversion + calibration, no cache, no evaluation) on this machine."""
+    from tcal.convert import build_student
+    from tcal.init import init_student
+    from tcal.pipeline import prepare
+    from tcal.retention import select_layers
+
+    timings: dict = {}
+    ctx = prepare(cfg, cfg.paths.output_dir, timings)
+    start = time.perf_counter()
+    student = build_student(ctx.teacher, select_layers(cfg.retention, ctx).keep_layers, cfg.init.gqa_expansion)
+    init_student(student, cfg.init, ctx)
+    wall = time.perf_counter() - start
+    return emit("full_init_wall", teacher=cfg.teacher.name, ratio=cfg.retention.get("ratio"),
+                phase2_steps=int(cfg.calibration.phase2.steps), seconds=wall, threads=torch.get_num_threads())
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("groups", nargs="*", default=["gdn", "student"], choices=["gdn", "student"])
+    parser.add_argument("groups", nargs="*", default=["gdn", "student", "stats", "init"],
+                        choices=["gdn", "student", "stats", "init"])
     parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    torch.set_flush_denormal(True)
     print(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__}), flush=True)
     if "gdn" in args.groups:
         bench_gdn()
-    if "student" in args.groups:
+    if set(args.groups) - {"gdn"}:
         from hydra import compose, initialize_config_dir
 
         from tcal.app import CONF_DIR
@@ -141,10 +197,15 @@ def main(argv=None) -> None:
         from tcal.teachers.load import load_teacher
 
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose("config", overrides=args.override)
+            cfg = compose("config", overrides=["calibration.cache=false", *args.override])
         teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
-        bench_student(teacher, uniform_layers(teacher.config.num_hidden_layers, 0.5))
-
+        if "student" in args.groups:
+            bench_student(teacher, uniform_layers(teacher.config.num_hidden_layers, 0.5))
+        if "stats" in args.groups:
+            bench_stats(teacher)
+        if "init" in args.groups:
+            bench_phase2_step(teacher, cfg.calibration)
+            bench_full_init(cfg)
 
 if __name__ == "__main__":
     main()

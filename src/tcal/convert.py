@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from tcal.gdn import GatedDeltaNet
 from tcal.hybrid import LINEAR, HybridConfig, HybridForCausalLM, teacher_layer_types
 from tcal.teachers import adapter_for
 
@@ -73,6 +74,17 @@ def layer_generator(seed: int, layer: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed) * 100_003 + layer)
 
 
+def naive_gdn(teacher, layer: int, gqa_expansion: str = "whole_head", seed: int = 0) -> GatedDeltaNet:
+    """The naive GDN for one teacher layer on its own, identical to that layer in any `build_student` result."""
+    adapter = adapter_for(teacher.config)
+    query_heads, _, head_dim = adapter.heads(teacher.config)
+    gdn = GatedDeltaNet(teacher.config.hidden_size, query_heads, head_dim, layer_idx=layer)
+    gdn.to(next(teacher.parameters()).dtype)
+    convert_layer(gdn, adapter.attention(teacher, layer), adapter, teacher.config, gqa_expansion,
+                  layer_generator(seed, layer))
+    return gdn
+
+
 def build_student(teacher, keep_layers, gqa_expansion: str = "whole_head", seed: int = 0) -> HybridForCausalLM:
     """The naive hybrid student: a copy of the teacher with GDN mixers outside `keep_layers`."""
     if gqa_expansion not in GQA_EXPANSIONS:
@@ -92,8 +104,8 @@ def build_student(teacher, keep_layers, gqa_expansion: str = "whole_head", seed:
     if dropped:
         log.info("conversion drops teacher %s (no place in a GDN layer)", ", ".join(dropped))
     for i in config.gdn_layers:
-        generator = layer_generator(seed, i)
-        convert_layer(student.gdn(i), adapter.attention(teacher, i), adapter, teacher.config, gqa_expansion, generator)
+        convert_layer(student.gdn(i), adapter.attention(teacher, i), adapter, teacher.config, gqa_expansion,
+                      layer_generator(seed, i))
     student.tie_weights()
     student.eval()
     return student

@@ -95,11 +95,13 @@ def token_stream(docs: list[Document], tokenizer) -> torch.Tensor:
 
 
 def token_windows(docs: list[Document], tokenizer, seq_len: int, num_windows: int) -> torch.Tensor:
-    """[num_windows, seq_len] consecutive non-overlapping windows from the start of the joined documents."""
+    """[num_windows, seq_len] non-overlapping windows spread evenly over the joined documents, so a few
+    windows sample whole plays rather than their opening cast lists."""
     stream = token_stream(docs, tokenizer)
     need = seq_len * num_windows
     if stream.numel() < need:
         raise ValueError(
             f"{num_windows} windows of {seq_len} tokens need {need} tokens; the documents give {stream.numel()}"
         )
-    return stream[:need].view(num_windows, seq_len)
+    stride = (stream.numel() - seq_len) // max(num_windows - 1, 1)
+    return torch.stack([stream[i * stride:i * stride + seq_len] for i in range(num_windows)])

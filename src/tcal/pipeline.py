@@ -19,13 +19,14 @@ import torch
 from omegaconf import OmegaConf
 
 from tcal.convert import build_student
-from tcal.data import Splits, eval_sets, load_splits, token_windows
-from tcal.evaluate.perplexity import perplexity
+from tcal.data import Splits, load_splits
+from tcal.evaluate.suite import evaluate, format_table
 from tcal.gdn import kernel_path
-from tcal.init import apply_init
+from tcal.init import init_student
 from tcal.results import write_json_atomic
 from tcal.retention import select_layers
 from tcal.teachers import adapter_for
+from tcal.tracking import make_tracker
 from tcal.teachers.load import load_teacher
 
 log = logging.getLogger(__name__)
@@ -56,33 +57,13 @@ def timed(timings: dict, step: str):
 
 def prepare(cfg, run_dir: Path, timings: dict) -> RunContext:
     torch.manual_seed(int(cfg.seed))
+    torch.set_flush_denormal(True)  # strongly decaying GDN states underflow; denormals slow CPU math ~10x
     with timed(timings, "load_teacher"):
         teacher, tokenizer = load_teacher(cfg.teacher, cfg.paths.cache_dir)
     adapter_for(teacher.config)
     with timed(timings, "load_data"):
         splits = load_splits(cfg.data)
     return RunContext(cfg, teacher, tokenizer, splits, Path(cfg.paths.cache_dir), Path(run_dir))
-
-
-def zero_shot(ctx: RunContext, student) -> dict:
-    """Teacher and student perplexity on every eval set."""
-    cfg = ctx.cfg.eval
-    metrics = {}
-    for name, docs in eval_sets(ctx.cfg.data, ctx.splits).items():
-        windows = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
-        metrics[name] = {
-            "teacher_ppl": perplexity(ctx.teacher, windows, int(cfg.batch_size), desc=f"teacher ppl {name}"),
-            "student_ppl": perplexity(student, windows, int(cfg.batch_size), desc=f"student ppl {name}"),
-        }
-    return metrics
-
-
-def format_table(metrics: dict) -> str:
-    rows = [f"{'eval set':<20}{'teacher ppl':>14}{'student ppl':>14}{'student/teacher':>17}"]
-    for name, m in metrics.items():
-        rows.append(f"{name:<20}{m['teacher_ppl']:>14.2f}{m['student_ppl']:>14.2f}"
-                    f"{m['student_ppl'] / m['teacher_ppl']:>16.2f}x")
-    return "\n".join(rows)
 
 
 def save_student(student, tokenizer, folder: Path) -> None:
@@ -122,13 +103,16 @@ def run(cfg, run_dir: str | Path) -> dict:
     log.info("keep layers (%s): %s; GDN kernel path: %s", cfg.retention.name, selection.keep_layers, kernel_path(device))
 
     with timed(timings, "init"):
-        results["calibration"] = apply_init(student, cfg.init, ctx)
+        results["calibration"] = init_student(student, cfg.init, ctx)
     results["status"] = "initialized"
     write_json_atomic(results_path, results)
 
     with timed(timings, "evaluate"):
-        results["metrics"] = zero_shot(ctx, student)
-    print(format_table(results["metrics"]), flush=True)
+        results.update(evaluate(ctx, student))
+    print(format_table(results), flush=True)
+    tracker = make_tracker(cfg, run_dir)
+    tracker.log({k: results[k] for k in ("metrics", "harness", "ruler") if k in results}, tokens_seen=0)
+    tracker.finish()
     if cfg.save_student:
         with timed(timings, "save"):
             save_student(student, ctx.tokenizer, run_dir / "student")

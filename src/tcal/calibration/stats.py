@@ -273,10 +273,11 @@ def _measure_child(path, mode, seq_len, block_size, queue):
         result = run(ids)
         peak = _rss_kib("VmHWM")
     del result
-    queue.put((peak - before) * 1024)
+    queue.put((peak * 1024, (peak - before) * 1024))
 
 
-def _measure(path, mode, seq_len, block_size) -> int:
+def _measure(path, mode, seq_len, block_size) -> tuple[int, int]:
+    """(peak resident bytes, peak increase over the warmed-up process) of one forward in a fresh process."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_measure_child, args=(path, mode, seq_len, block_size, queue))
@@ -302,9 +303,12 @@ def peak_memory_report(teacher, seq_len: int = 4096, block_size: int = 256) -> d
     return {
         "seq_len": seq_len,
         "block_size": block_size,
-        "plain_forward_bytes": plain,
-        "stats_forward_bytes": stats,
+        "plain_forward_peak_bytes": plain[0],
+        "stats_forward_peak_bytes": stats[0],
+        "stats_over_plain_peak": stats[0] / max(plain[0], 1),
+        "plain_forward_increase_bytes": plain[1],
+        "stats_forward_increase_bytes": stats[1],
+        "stats_over_plain_increase": stats[1] / max(plain[1], 1),
         "output_attentions_bytes": attn_maps,
-        "stats_over_plain": stats / max(plain, 1),
-        "output_attentions_over_stats": attn_maps / max(stats, 1),
+        "output_attentions_over_stats_increase": attn_maps / max(stats[1], 1),
     }

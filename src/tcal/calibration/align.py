@@ -1,0 +1,90 @@
+"""The per-layer alignment objective shared by Phase 2 of the init and Stage 1 training (DESIGN sections 5, 7).
+
+A GDN layer sees the teacher-forced input x (the teacher's input_layernorm output entering the layer) and
+is pulled towards the teacher attention module's output y_T on the same input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from tcal.gdn import GatedDeltaNet
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+DYNAMICS = ("a_proj", "b_proj", "g_proj", "A_log", "dt_bias")
+
+
+def _select(output: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return output if mask is None else output[mask.bool()]
+
+
+def alignment_loss(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, mask=None) -> torch.Tensor:
+    """MSE between the layer's output and the teacher attention output, over non-padded tokens."""
+    y = gdn(x, linear_attention_mask=mask)[0]
+    return F.mse_loss(_select(y, mask).float(), _select(target, mask).float())
+
+
+@torch.no_grad()
+def alignment_metrics(gdn: GatedDeltaNet, x, target, mask=None) -> dict:
+    """MSE and mean per-token cosine similarity to the teacher output."""
+    y = _select(gdn(x, linear_attention_mask=mask)[0], mask).float()
+    t = _select(target, mask).float()
+    return {"mse": F.mse_loss(y, t).item(), "cosine": F.cosine_similarity(y, t, dim=-1).mean().item()}
+
+
+def parameter_groups(gdn: GatedDeltaNet, lr_projections: float, lr_dynamics: float) -> list[dict]:
+    """q/k/v at the small learning rate, the dynamics (a, b, g projections, A_log, dt_bias) at the large one.
+    Wo and o_norm are not in any group: they stay frozen."""
+    def params(names):
+        return [p for name, p in gdn.named_parameters() if name.split(".")[0] in names]
+
+    return [{"params": params(PROJECTIONS), "lr": lr_projections}, {"params": params(DYNAMICS), "lr": lr_dynamics}]
+
+
+def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, mask=None,
+                progress: tqdm | None = None) -> dict:
+    """Phase 2: full-batch AdamW on the alignment loss for `cfg.steps` steps; keep the lowest-loss state."""
+    before = alignment_metrics(gdn, x, target, mask)
+    trainable = [p for group in parameter_groups(gdn, cfg.lr_projections, cfg.lr_dynamics) for p in group["params"]]
+    requires = {id(p): p.requires_grad for p in gdn.parameters()}
+    gdn.requires_grad_(False)
+    for p in trainable:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(parameter_groups(gdn, cfg.lr_projections, cfg.lr_dynamics),
+                                  weight_decay=cfg.weight_decay)
+    best_loss, best_state, best_step, losses = float("inf"), None, 0, []
+    try:
+        for step in range(int(cfg.steps)):
+            optimizer.zero_grad(set_to_none=True)
+            loss = alignment_loss(gdn, x, target, mask)
+            losses.append(loss.item())
+            if losses[-1] < best_loss:
+                best_loss, best_state, best_step = losses[-1], _snapshot(gdn), step
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+            optimizer.step()
+            if progress is not None:
+                progress.update(1)
+        final = alignment_loss_value(gdn, x, target, mask)
+        if final < best_loss:
+            best_loss, best_step = final, int(cfg.steps)
+        else:
+            gdn.load_state_dict(best_state)
+    finally:
+        for p in gdn.parameters():
+            p.requires_grad_(requires[id(p)])
+    after = alignment_metrics(gdn, x, target, mask)
+    return {"loss_before": before["mse"], "cosine_before": before["cosine"], "loss_after": after["mse"],
+            "cosine_after": after["cosine"], "best_step": best_step, "losses": losses}
+
+
+@torch.no_grad()
+def _snapshot(module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@torch.no_grad()
+def alignment_loss_value(gdn, x, target, mask=None) -> float:
+    return alignment_loss(gdn, x, target, mask).item()

@@ -1,0 +1,134 @@
+"""Calibrating GDN layers from one teacher forward: Phase 1, Phase 2, or both (Taylor-Calibrate).
+
+Layers are independent given the teacher-forced inputs, so each layer's result is an artifact on disk keyed
+by teacher weights, layer, phases, calibration tokens and settings. The GA-S2 retention policy and later
+runs of a sweep reuse them instead of calibrating again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from tcal.calibration.align import align_layer
+from tcal.calibration.phase1 import apply_phase1
+from tcal.calibration.stats import collect_teacher_stats
+from tcal.data import token_windows
+from tcal.gdn import GatedDeltaNet
+
+log = logging.getLogger(__name__)
+
+PHASES = ("phase1", "phase2")
+
+
+def calibration_batch(ctx, cfg) -> torch.Tensor:
+    """[batch_size, seq_len] tokens from the calibration split (never the evaluation split)."""
+    return token_windows(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.batch_size))
+
+
+def _digest(*parts) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else json.dumps(part, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:20]
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().float().cpu().contiguous().numpy().tobytes()
+
+
+def teacher_fingerprint(teacher) -> str:
+    """Digest of the teacher's config and every weight (about a second for a 135M model), memoized."""
+    cached = getattr(teacher, "_tcal_fingerprint", None)
+    if cached is None:
+        h = hashlib.sha256(teacher.config.to_json_string().encode())
+        for name, tensor in teacher.state_dict().items():
+            h.update(name.encode())
+            h.update(_tensor_bytes(tensor))
+        cached = teacher._tcal_fingerprint = h.hexdigest()[:20]
+    return cached
+
+
+def artifact_key(teacher, layer: int, phases, batch: torch.Tensor, settings: dict, naive: GatedDeltaNet) -> str:
+    """Everything a layer's calibration depends on: teacher, layer, phases, tokens, settings, starting point."""
+    start = b"".join(_tensor_bytes(p) for p in naive.state_dict().values())
+    return _digest(teacher_fingerprint(teacher), layer, list(phases), _tensor_bytes(batch), settings, start)
+
+
+class ArtifactStore:
+    """One file per calibrated layer: its GDN state dict and its calibration record."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = Path(folder) if folder is not None else None
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}.pt"
+
+    def load(self, key: str):
+        if self.folder is None or not self.path(key).is_file():
+            return None
+        return torch.load(self.path(key), map_location="cpu", weights_only=False)
+
+    def save(self, key: str, state: dict, record: dict) -> None:
+        if self.folder is None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.path(key).with_suffix(".tmp")
+        torch.save({"state": {k: v.detach().cpu() for k, v in state.items()}, "record": record}, tmp)
+        os.replace(tmp, self.path(key))
+
+
+def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tensor, cfg, phases,
+                     store: ArtifactStore) -> dict[int, dict]:
+    """Calibrate each GDN (in place) against the teacher layer of the same index; returns per-layer records."""
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        raise ValueError(f"unknown calibration phases {unknown}; expected a subset of {PHASES}")
+    settings = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    keys = {i: artifact_key(teacher, i, phases, batch, settings, gdn) for i, gdn in gdns.items()}
+    records: dict[int, dict] = {}
+    for i, gdn in gdns.items():
+        cached = store.load(keys[i])
+        if cached is not None:
+            gdn.load_state_dict(cached["state"])
+            records[i] = {**cached["record"], "cached": True}
+    todo = [i for i in gdns if i not in records]
+    if not todo:
+        return dict(sorted(records.items()))
+    log.info("calibrating layers %s (%s) on %s calibration tokens", todo, "+".join(phases), batch.numel())
+    stats = collect_teacher_stats(teacher, batch, layers=todo, block_size=int(cfg.block_size))
+    steps = int(cfg.phase2.steps) if "phase2" in phases else 0
+    bar = tqdm(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
+    for i in todo:
+        gdn, layer_stats = gdns[i], stats[i]
+        record: dict = {}
+        if "phase1" in phases:
+            record["phase1"] = apply_phase1(gdn, layer_stats, cfg.phase1)
+        if "phase2" in phases:
+            device = next(gdn.parameters()).device
+            record["phase2"] = align_layer(gdn, layer_stats.inputs.to(device), layer_stats.attn_output.to(device),
+                                           cfg.phase2, progress=bar)
+            log.info("layer %d phase2: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, record["phase2"]["loss_before"],
+                     record["phase2"]["loss_after"], record["phase2"]["cosine_before"], record["phase2"]["cosine_after"])
+        else:
+            bar.update(1)
+        store.save(keys[i], gdn.state_dict(), record)
+        records[i] = {**record, "cached": False}
+    bar.close()
+    return dict(sorted(records.items()))
+
+
+def calibrate_gdns(gdns: dict[int, GatedDeltaNet], ctx, phases) -> dict:
+    """Calibrate GDN layers with the run's `calibration` settings and artifact cache."""
+    cfg = ctx.cfg.calibration
+    store = ArtifactStore(ctx.cache_dir / "calibration" / ctx.cfg.teacher.name if cfg.cache else None)
+    batch = calibration_batch(ctx, cfg)
+    records = calibrate_layers(ctx.teacher, gdns, batch, cfg, phases, store)
+    return {"phases": list(phases), "calibration_tokens": batch.numel(), "layers": {str(i): r for i, r in records.items()}}

@@ -1,0 +1,133 @@
+"""Zero-shot evaluation of teacher and student: perplexity per eval set, the lm-eval harness, RULER.
+
+The teacher's figures depend only on the teacher, the eval data and the settings, so they are cached on
+disk (`paths.cache_dir/teacher_eval`): a sweep computes them once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+from omegaconf import OmegaConf
+
+from tcal.calibration.calibrate import teacher_fingerprint
+from tcal.data import Document, eval_sets, token_windows
+from tcal.evaluate.perplexity import perplexity
+from tcal.results import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+def _key(*parts) -> str:
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _docs_digest(docs: list[Document]) -> str:
+    return hashlib.sha256("\0".join(d.name + "\0" + d.text for d in docs).encode()).hexdigest()[:24]
+
+
+def cached_teacher(ctx, kind: str, settings, compute):
+    """`compute()` for the teacher, memoized on disk by teacher weights, `kind` and `settings`."""
+    tokenizer = (type(ctx.tokenizer).__name__, ctx.tokenizer.name_or_path, len(ctx.tokenizer))
+    path = ctx.cache_dir / "teacher_eval" / f"{kind}-{_key(teacher_fingerprint(ctx.teacher), tokenizer, kind, settings)}.json"
+    if path.is_file():
+        return json.loads(path.read_text())["value"]
+    value = compute()
+    write_json_atomic(path, {"kind": kind, "settings": settings, "value": value})
+    return value
+
+
+def _plain(node) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+
+
+def perplexities(ctx, student) -> dict:
+    """{eval set: {teacher_ppl, student_ppl}} on windows of `eval.seq_len` tokens."""
+    cfg = ctx.cfg.eval
+    metrics = {}
+    for name, docs in eval_sets(ctx.cfg.data, ctx.splits).items():
+        windows = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
+        settings = {"docs": _docs_digest(docs), "seq_len": int(cfg.seq_len), "num_windows": int(cfg.num_windows)}
+        metrics[name] = {
+            "teacher_ppl": cached_teacher(ctx, "ppl", settings, lambda: perplexity(
+                ctx.teacher, windows, int(cfg.batch_size), desc=f"teacher ppl {name}")),
+            "student_ppl": perplexity(student, windows, int(cfg.batch_size), desc=f"student ppl {name}"),
+        }
+    return metrics
+
+
+def harness(ctx, student) -> dict | None:
+    """{"teacher": {task: {metric: value}}, "student": {...}} or None when `eval.harness.name` is none."""
+    from tcal.evaluate import local_tasks
+
+    cfg = ctx.cfg.eval.harness
+    if cfg.name == "none":
+        return None
+    docs = ctx.splits.evaluation
+    if cfg.name == "local":
+        folder = ctx.cache_dir / "local_tasks" / _key(_docs_digest(docs), int(cfg.seed), int(cfg.n_examples))
+        tasks = local_tasks.build_local_tasks([d.text for d in docs], folder, int(cfg.seed), int(cfg.n_examples))
+        runs = [(tasks, None)]
+        include, offline = folder, True
+    elif cfg.name == "paper":
+        local_tasks.check_paper_tasks_available()
+        runs = [(list(local_tasks.PAPER_TASKS), None), *[([t], shots) for t, shots in local_tasks.PAPER_FEWSHOT_TASKS]]
+        include, offline = None, False
+    else:
+        raise ValueError(f"eval.harness.name={cfg.name!r}; expected local, paper or none")
+
+    def run(model):
+        out = {}
+        for tasks, shots in runs:
+            out.update(local_tasks.run_harness(model, ctx.tokenizer, tasks, include, int(cfg.batch_size),
+                                               int(cfg.max_length), cfg.get("limit"), shots, offline))
+        return out
+
+    settings = {**_plain(cfg), "docs": _docs_digest(docs)}
+    return {"teacher": cached_teacher(ctx, "harness", settings, lambda: run(ctx.teacher)), "student": run(student)}
+
+
+def ruler(ctx, student) -> dict | None:
+    """{"teacher": {length: {task: score}}, "student": {...}} or None when `eval.ruler.name` is none."""
+    from tcal.evaluate.ruler import score_ruler
+
+    cfg = ctx.cfg.eval.ruler
+    if cfg.name == "none":
+        return None
+    docs = [d.text for d in ctx.splits.evaluation]
+
+    def run(model):
+        return score_ruler(model, ctx.tokenizer, docs, tuple(cfg.lengths), tuple(cfg.tasks), int(cfg.n), int(cfg.seed))
+
+    settings = {**_plain(cfg), "docs": _docs_digest(ctx.splits.evaluation)}
+    return {"teacher": cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher)), "student": run(student)}
+
+
+def evaluate(ctx, student) -> dict:
+    """The results.json entries of the zero-shot evaluation."""
+    out = {"metrics": perplexities(ctx, student)}
+    for name, fn in (("harness", harness), ("ruler", ruler)):
+        value = fn(ctx, student)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def format_table(results: dict) -> str:
+    """A short console table: perplexities, then harness and RULER rows when present."""
+    rows = [f"{'eval':<28}{'teacher':>12}{'student':>12}{'ratio':>10}"]
+    for name, m in results["metrics"].items():
+        rows.append(f"{'ppl ' + name:<28}{m['teacher_ppl']:>12.2f}{m['student_ppl']:>12.2f}"
+                    f"{m['student_ppl'] / m['teacher_ppl']:>9.2f}x")
+    for task, metrics in (results.get("harness") or {}).get("student", {}).items():
+        for metric, value in metrics.items():
+            teacher = results["harness"]["teacher"].get(task, {}).get(metric, float("nan"))
+            rows.append(f"{task + ' ' + metric:<28}{teacher:>12.3f}{value:>12.3f}")
+    for length, scores in (results.get("ruler") or {}).get("student", {}).items():
+        for task, value in scores.items():
+            teacher = results["ruler"]["teacher"].get(length, {}).get(task, float("nan"))
+            rows.append(f"{'ruler ' + length + ' ' + task:<28}{teacher:>12.3f}{value:>12.3f}")
+    return "\n".join(rows)

@@ -1,0 +1,124 @@
+"""Shared machinery of the scored policies (`ar`, `ga_s2`): scoring windows, the on-disk score cache, and
+turning per-layer scores into a keep list.
+
+Scores are expensive (L perplexity evaluations of the teacher or of probe students), so they are cached as
+JSON under `<paths.cache_dir>/retention/`. The key holds everything the scores depend on and nothing else:
+- the teacher's fingerprint (config and every weight),
+- the policy name and its scoring settings (`seq_len`, `num_windows`, `batch_size`, ...), but not `ratio`
+  (scores do not depend on it, so one scoring serves every ratio of a sweep) nor `cache`,
+- the data node without its evaluation-only fields (`evaluation_docs`, `eval_files`: selection never reads
+  the evaluation split), and the calibration split's token content (digest of its whole token stream, so a
+  changed document or tokenizer is a new key; the scoring windows and calibration batches are cut from it),
+- what the policy adds (`extra`): for `ga_s2` the init mode node, the calibration node and the seed (the
+  naive GDN's new parameters are seeded); `ar` adds nothing (it is independent of the init).
+A hit reads the file and runs no teacher forward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+from omegaconf import OmegaConf
+
+from tcal.calibration.calibrate import _digest, _tensor_bytes, teacher_fingerprint
+from tcal.data import token_stream, token_windows
+from tcal.results import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+# Retention fields that select among scores instead of producing them.
+NOT_SCORING = ("ratio", "cache", "keep")
+# Data fields that only concern the evaluation split.
+EVALUATION_ONLY = ("evaluation_docs", "eval_files")
+
+
+def _plain(node) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+
+
+def scoring_windows(cfg, ctx) -> torch.Tensor:
+    """[num_windows, seq_len] tokens from the calibration split (never the evaluation split)."""
+    return token_windows(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
+
+
+def calibration_tokens_digest(ctx) -> str:
+    """Digest of the calibration split's whole token stream (what every scoring window is cut from)."""
+    stream = token_stream(ctx.splits.calibration, ctx.tokenizer)
+    return _digest(stream.numel(), _tensor_bytes(stream))
+
+
+def selection_key(cfg, ctx, extra: dict | None = None) -> tuple[str, dict]:
+    """(digest, the parts it was built from) for the scores of policy `cfg.name`."""
+    data = {k: v for k, v in _plain(ctx.cfg.data).items() if k not in EVALUATION_ONLY}
+    parts = {
+        "teacher": teacher_fingerprint(ctx.teacher),
+        "policy": str(cfg.name),
+        "settings": {k: v for k, v in _plain(cfg).items() if k not in NOT_SCORING and k != "name"},
+        "data": data,
+        "calibration_tokens": calibration_tokens_digest(ctx),
+        **(extra or {}),
+    }
+    return _digest(parts), parts
+
+
+class ScoreCache:
+    """One JSON file per key: `{"key": ..., "parts": ..., "scores": {"layer": score}}`."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = Path(folder) if folder is not None else None
+
+    def path(self, policy: str, key: str) -> Path:
+        return self.folder / f"{policy}-{key}.json"
+
+    def load(self, policy: str, key: str) -> dict[int, float] | None:
+        if self.folder is None:
+            return None
+        path = self.path(policy, key)
+        if not path.is_file():
+            return None
+        try:
+            record = json.loads(path.read_text())
+            return {int(k): float(v) for k, v in record["scores"].items()}
+        except (ValueError, KeyError, TypeError) as err:  # a damaged file is scored again, not trusted
+            log.warning("ignoring unreadable retention cache %s (%s)", path, err)
+            return None
+
+    def save(self, policy: str, key: str, parts: dict, scores: dict[int, float]) -> None:
+        if self.folder is None:
+            return
+        write_json_atomic(self.path(policy, key),
+                          {"key": key, "parts": parts, "scores": {str(k): v for k, v in sorted(scores.items())}})
+
+
+def score_cache(cfg, ctx) -> ScoreCache:
+    return ScoreCache(ctx.cache_dir / "retention" if cfg.get("cache", True) else None)
+
+
+def cached_scores(cfg, ctx, score: Callable[[], dict[int, float]], extra: dict | None = None) -> dict[int, float]:
+    """Per-layer scores from the cache, or from `score()` (then saved)."""
+    key, parts = selection_key(cfg, ctx, extra)
+    cache = score_cache(cfg, ctx)
+    scores = cache.load(cfg.name, key)
+    if scores is not None:
+        log.info("retention %s: scores read from %s", cfg.name, cache.path(cfg.name, key))
+        return scores
+    scores = {int(i): finite_or_inf(s) for i, s in score().items()}
+    cache.save(cfg.name, key, parts, scores)
+    return scores
+
+
+def finite_or_inf(value: float) -> float:
+    """NaN perplexities (a broken model) count as infinitely bad."""
+    value = float(value)
+    return math.inf if math.isnan(value) else value
+
+
+def top_k(scores: dict[int, float], k: int, highest: bool) -> list[int]:
+    """The k layers with the highest (or lowest) scores, ties broken by the lower layer index; sorted."""
+    order = sorted(scores, key=lambda i: (-scores[i] if highest else scores[i], i))
+    return sorted(order[:k])

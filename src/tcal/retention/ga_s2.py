@@ -1,0 +1,89 @@
+"""`ga_s2`: keep the layers that, kept alone as softmax attention, give the best initialized student.
+
+For each layer i, a probe student keeps only layer i softmax and converts every other layer with the run's
+init mode (`init=...`); its zero-shot perplexity on the calibration split is layer i's score, and the K
+layers with the lowest scores stay softmax (ties: lower layer index). Depends on the init mode.
+
+A converted layer's init does not depend on which other layers are kept (the calibration is teacher-forced),
+so every layer is initialized once (`apply_init` on all L naive GDNs, one calibration) and the L probes are
+assembled from those parts: L perplexity evaluations, not L calibrations.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from tcal.convert import build_student, naive_gdn
+from tcal.evaluate.perplexity import perplexity
+from tcal.hybrid import LINEAR, HybridForCausalLM, teacher_layer_types
+from tcal.init import apply_init
+from tcal.retention import POLICIES, Selection, num_kept
+from tcal.retention.cache import cached_scores, scoring_windows, top_k
+from tcal.teachers import adapter_for
+
+log = logging.getLogger(__name__)
+
+
+def initialized_gdns(ctx) -> dict[int, torch.nn.Module]:
+    """Every layer's naive GDN (the same as in any student of this run), initialized by the run's init mode."""
+    teacher, init = ctx.teacher, ctx.cfg.init
+    device = next(teacher.parameters()).device
+    gdns = {i: naive_gdn(teacher, i, init.gqa_expansion, int(ctx.cfg.seed)).to(device)
+            for i in range(ctx.num_layers)}
+    apply_init(gdns, init, ctx)
+    for gdn in gdns.values():
+        gdn.eval()
+    return gdns
+
+
+def probes(teacher, gdns: dict, gqa_expansion: str = "whole_head", seed: int = 0
+           ) -> Iterator[tuple[int, HybridForCausalLM]]:
+    """(i, the student keeping only layer i softmax, with `gdns[j]` as layer j's mixer for every j != i).
+
+    One student is built and its mixers swapped in place for each i (the kept layer runs the teacher's own
+    attention module), so a probe costs no conversion. The yielded model changes at the next step."""
+    adapter = adapter_for(teacher.config)
+    own = teacher_layer_types(teacher.config)
+    num_layers = len(own)
+    probe = build_student(teacher, [0], gqa_expansion, seed).to(next(teacher.parameters()).device)
+    for i in range(num_layers):
+        for j, layer in enumerate(probe.model.layers):
+            layer.self_attn = adapter.attention(teacher, j) if j == i else gdns[j]
+        probe.config.layer_types = [kind if j == i else LINEAR for j, kind in enumerate(own)]
+        yield i, probe
+
+
+def probe_perplexities(ctx, gdns: dict, windows: torch.Tensor, batch_size: int) -> dict[int, float]:
+    scores = {}
+    parts = probes(ctx.teacher, gdns, ctx.cfg.init.gqa_expansion, int(ctx.cfg.seed))
+    for i, probe in tqdm(parts, total=len(gdns), desc=f"retention ga_s2 ({ctx.cfg.init.name}): probe ppl", unit="layer"):
+        scores[i] = perplexity(probe, windows, batch_size)
+    return scores
+
+
+@POLICIES.register("ga_s2")
+def ga_s2(cfg, ctx) -> Selection:
+    num_layers = ctx.num_layers
+    k = num_kept(cfg.ratio, num_layers)
+    if k == num_layers:
+        log.info("retention ga_s2: ratio %s keeps all %d layers; nothing to score", cfg.ratio, num_layers)
+        return Selection(list(range(num_layers)))
+
+    def score() -> dict[int, float]:
+        windows = scoring_windows(cfg, ctx)
+        return probe_perplexities(ctx, initialized_gdns(ctx), windows, int(cfg.batch_size))
+
+    run = ctx.cfg
+    calibration = {k: v for k, v in OmegaConf.to_container(run.calibration, resolve=True).items() if k != "cache"}
+    extra = {"init": OmegaConf.to_container(run.init, resolve=True), "calibration": calibration,
+             "seed": int(run.seed)}
+    scores = cached_scores(cfg, ctx, score, extra)
+    keep = top_k(scores, k, highest=False)
+    log.info("retention ga_s2 (init %s): probe perplexities %s -> keep %s", run.init.name,
+             {i: round(s, 2) for i, s in scores.items()}, keep)
+    return Selection(keep, scores)

@@ -1,0 +1,136 @@
+"""The main job end to end on a tiny teacher: results.json, the saved student, extra eval sets; (slow) every
+named experiment through the `tcal` console script."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose, isolated_cache_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tcal.app import CONF_DIR
+from tcal.data import eval_sets, load_splits, token_windows
+from tcal.evaluate.perplexity import perplexity
+from tcal.hybrid import HybridForCausalLM
+from tcal.pipeline import run
+
+EXTRA_TEXT = "\n".join(
+    f"Line {i}: the quick brown fox jumps over the lazy dog, and the {i}th sheep counts its blessings."
+    for i in range(60)
+)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One smoke run (tiny random Llama teacher, short windows) with an extra local eval file."""
+    root = tmp_path_factory.mktemp("smoke")
+    extra = root / "extra.txt"
+    extra.write_text(EXTRA_TEXT)
+    cache = isolated_cache_dir(root / "cache")  # computes everything; the shared cache only lends the tokenizer
+    cfg = compose("experiment=smoke", f"paths.cache_dir={cache}", f"paths.output_dir={root / 'outputs'}",
+                  f"data.eval_files=[{extra}]")
+    run_dir = root / "run"
+    returned = run(cfg, run_dir)
+    return cfg, run_dir, returned
+
+
+def test_results_json(smoke_run):
+    cfg, run_dir, returned = smoke_run
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results == json.loads(json.dumps(returned))  # what run() returns is what it wrote
+    assert results["status"] == "complete"
+    assert results["teacher"] == {"name": "tiny_llama", "num_layers": 4}
+    assert results["retention"] == "uniform"
+    assert results["keep_layers"] == [0, 2]  # ratio 0.5 of 4 layers
+    assert results["init_mode"] == cfg.init.name  # the config's default init
+    assert set(results["metrics"]) == {"shakespeare", "extra"}
+    for name, metrics in results["metrics"].items():
+        for key in ("teacher_ppl", "student_ppl"):
+            value = metrics[key]
+            assert isinstance(value, float) and math.isfinite(value) and value > 1, (name, key, value)
+    timings = results["timings"]
+    assert {"load_teacher", "retention", "convert", "init", "evaluate", "save"} <= set(timings)
+    assert all(isinstance(t, (int, float)) and t >= 0 for t in timings.values())
+    assert results["kernel_path"] == "torch-chunk"
+    # Written atomically: no temporary files left behind.
+    assert {"results.json", "student"} <= {p.name for p in run_dir.iterdir()}
+    assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_saved_student_reproduces_the_run(smoke_run):
+    cfg, run_dir, _ = smoke_run
+    results = json.loads((run_dir / "results.json").read_text())
+    folder = run_dir / "student"
+    student = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert isinstance(student, HybridForCausalLM)
+    assert student.config.keep_layers == results["keep_layers"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    splits = load_splits(cfg.data)
+    for name, docs in eval_sets(cfg.data, splits).items():
+        windows = token_windows(docs, tokenizer, int(cfg.eval.seq_len), int(cfg.eval.num_windows))
+        ppl = perplexity(student, windows, int(cfg.eval.batch_size))
+        expected = results["metrics"][name]["student_ppl"]
+        assert math.isclose(ppl, expected, rel_tol=1e-4), (name, ppl, expected)
+    with torch.no_grad():
+        out = student.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6)
+
+
+def test_default_config_is_the_main_job():
+    """`tcal` with no arguments: SmolLM2 teacher, uniform retention at 0.5, 512-token windows, >= 16 of them."""
+    cfg = compose()
+    assert cfg.teacher.name == "smollm2_135m"
+    assert cfg.retention.name == "uniform" and cfg.retention.ratio == 0.5
+    assert cfg.eval.seq_len == 512 and cfg.eval.num_windows >= 16
+    assert cfg.data.name == "shakespeare" and list(cfg.data.eval_files) == []
+    assert cfg.save_student
+
+
+def experiment_names() -> list[str]:
+    folder = Path(CONF_DIR).parent / "experiments"
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def test_every_experiment_composes():
+    names = experiment_names()
+    assert "smoke" in names
+    for name in names:
+        cfg = compose(f"experiment={name}")
+        assert cfg.teacher.name and cfg.retention.name and cfg.init.name
+
+
+# Tiny overrides for every experiment: small teacher, few short windows, nothing saved. An experiment that
+# needs more (a training budget, ...) adds its own entry here.
+TINY = ["teacher=tiny_llama", "eval.seq_len=32", "eval.num_windows=2", "eval.batch_size=2", "save_student=false"]
+EXTRA_TINY: dict[str, list[str]] = {}
+
+
+def tcal_command() -> list[str]:
+    script = Path(sys.executable).parent / "tcal"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tcal.app"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", experiment_names())
+def test_experiment_runs_from_the_command_line(name, tmp_path):
+    run_dir = tmp_path / name
+    cache = isolated_cache_dir(tmp_path / "cache")
+    command = tcal_command() + [f"experiment={name}", f"hydra.run.dir={run_dir}", f"paths.cache_dir={cache}",
+                                f"paths.output_dir={tmp_path / 'outputs'}", *TINY, *EXTRA_TINY.get(name, [])]
+    threads = os.environ.get("TCAL_TEST_THREADS", "1")  # tiny models: one thread (see conftest)
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(command)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "complete"
+    assert results["teacher"]["name"] == "tiny_llama"
+    for metrics in results["metrics"].values():
+        assert math.isfinite(metrics["teacher_ppl"]) and math.isfinite(metrics["student_ppl"])
+    assert all(name in proc.stdout for name in results["metrics"])  # the printed table names each eval set
