@@ -4,15 +4,6 @@ import math
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
-
 from tcal.calibration.stats import (
     attn_implementation,
     blockwise_attention,
@@ -20,34 +11,15 @@ from tcal.calibration.stats import (
     register,
 )
 
+from conftest import FAMILIES
+from conftest import make_teacher as make_tiny_teacher
+
 T, BLOCK, VOCAB = 37, 16, 101
-SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    initializer_range=0.2,  # peaked, head-dependent attention instead of near-uniform
-)
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-}
 
 
 def make_teacher(family, attn="eager"):
-    config_cls, model_cls = FAMILIES[family]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**SIZES, attn_implementation=attn)).eval()
-    if family == "qwen2":
-        assert model.model.layers[0].self_attn.q_proj.bias is not None
-    if family == "qwen3":
-        assert hasattr(model.model.layers[0].self_attn, "q_norm")
-    return model
+    """Three layers of the shared tiny teacher, eager attention for the materialized reference."""
+    return make_tiny_teacher(family, attn_implementation=attn, num_hidden_layers=3)
 
 
 def make_batch(pad=True):

@@ -58,6 +58,10 @@ def timed(timings: dict, step: str):
 def prepare(cfg, run_dir: Path, timings: dict) -> RunContext:
     torch.manual_seed(int(cfg.seed))
     torch.set_flush_denormal(True)  # strongly decaying GDN states underflow; denormals slow CPU math ~10x
+    if cfg.eval.harness.name == "paper":
+        from tcal.evaluate.local_tasks import check_paper_tasks_available
+
+        check_paper_tasks_available()  # fail before any work when the dataset hub is unreachable
     with timed(timings, "load_teacher"):
         teacher, tokenizer = load_teacher(cfg.teacher, cfg.paths.cache_dir)
     adapter_for(teacher.config)

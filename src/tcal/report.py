@@ -332,8 +332,10 @@ def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
     return paths
 
 
-def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calibrated: str = "full") -> str:
-    """Write every table, CSV and plot into `out_dir`; return the Markdown."""
+def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calibrated: str = "full",
+                 tracker=None) -> str:
+    """Write every table, CSV and plot into `out_dir`; return the Markdown. A `tcal.tracking` tracker
+    also receives each table (W&B tables for a dashboard)."""
     folder, out_dir = Path(folder), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs, problems = collect(folder)
@@ -345,6 +347,8 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
     parts = [f"# tcal report: {folder}\n\n{len(runs)} complete runs, {len(problems)} incomplete.\n"]
     for name, (title, table) in tables.items():
         write_csv(out_dir / f"{name}.csv", table)
+        if tracker is not None:
+            tracker.log_table(name, *table)
         parts.append(f"## {title}\n\n{markdown_table(table)}")
     parts[-1] += "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")  # efficiency notes
     plots = plot_curves(runs, out_dir)
@@ -362,10 +366,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="output folder (default: FOLDER/report)")
     parser.add_argument("--baseline", default="zero_gate", help="init whose tokens are the numerator of the efficiency ratio")
     parser.add_argument("--calibrated", default="full", help="init whose tokens are the denominator")
+    parser.add_argument("--wandb-project", help="also log the tables to this W&B project (WANDB_MODE=offline works)")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder")
-    print(build_report(args.folder, args.out or args.folder / "report", args.baseline, args.calibrated))
+    out = args.out or args.folder / "report"
+    tracker = None
+    if args.wandb_project:
+        from tcal.tracking import WandbTracker
+
+        tracker = WandbTracker({"project": args.wandb_project, "group": "report"}, out, {"folder": str(args.folder)},
+                               f"report-{args.folder.name}")
+    print(build_report(args.folder, out, args.baseline, args.calibrated, tracker))
+    if tracker is not None:
+        tracker.finish()
     return 0
 
 

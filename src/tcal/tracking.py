@@ -29,7 +29,8 @@ class WandbTracker(Tracker):
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project=cfg.project, group=cfg.get("group"), name=name, dir=str(run_dir),
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=cfg["project"], group=cfg.get("group"), name=name, dir=str(run_dir),
                               config=config, reinit="finish_previous")
         self.run.define_metric("tokens_seen")
         self.run.define_metric("*", step_metric="tokens_seen")

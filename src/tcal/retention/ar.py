@@ -14,8 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from tcal.evaluate.perplexity import perplexity
-from tcal.retention import POLICIES, Selection, num_kept
-from tcal.retention.cache import cached_scores, scoring_windows, top_k
+from tcal.retention import POLICIES, Selection
+from tcal.retention.cache import scored_selection, scoring_windows
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
@@ -48,14 +48,6 @@ def bypass_perplexities(teacher, windows: torch.Tensor, batch_size: int) -> dict
 
 @POLICIES.register("ar")
 def ar(cfg, ctx) -> Selection:
-    num_layers = ctx.num_layers
-    k = num_kept(cfg.ratio, num_layers)
-    if k == num_layers:
-        log.info("retention ar: ratio %s keeps all %d layers; nothing to score", cfg.ratio, num_layers)
-        return Selection(list(range(num_layers)))
-    scores = cached_scores(cfg, ctx, lambda: bypass_perplexities(ctx.teacher, scoring_windows(cfg, ctx),
-                                                                 int(cfg.batch_size)))
-    keep = top_k(scores, k, highest=True)
-    log.info("retention ar: bypass perplexities %s -> keep %s",
-             {i: round(s, 2) for i, s in scores.items()}, keep)
-    return Selection(keep, scores)
+    """Keep the layers whose attention bypass raises perplexity most."""
+    return scored_selection(cfg, ctx, lambda: bypass_perplexities(ctx.teacher, scoring_windows(cfg, ctx),
+                                                                  int(cfg.batch_size)), highest=True)

@@ -122,3 +122,18 @@ def top_k(scores: dict[int, float], k: int, highest: bool) -> list[int]:
     """The k layers with the highest (or lowest) scores, ties broken by the lower layer index; sorted."""
     order = sorted(scores, key=lambda i: (-scores[i] if highest else scores[i], i))
     return sorted(order[:k])
+
+
+def scored_selection(cfg, ctx, score: Callable[[], dict[int, float]], highest: bool, extra: dict | None = None):
+    """Keep the K best-scoring layers (cached scores); K = L keeps everything without scoring."""
+    from tcal.retention import Selection, num_kept
+
+    num_layers = ctx.num_layers
+    k = num_kept(cfg.ratio, num_layers)
+    if k == num_layers:
+        log.info("retention %s: ratio %s keeps all %d layers; nothing to score", cfg.name, cfg.ratio, num_layers)
+        return Selection(list(range(num_layers)))
+    scores = cached_scores(cfg, ctx, score, extra)
+    keep = top_k(scores, k, highest)
+    log.info("retention %s: scores %s -> keep %s", cfg.name, {i: round(v, 2) for i, v in scores.items()}, keep)
+    return Selection(keep, scores)

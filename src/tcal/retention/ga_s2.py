@@ -23,7 +23,7 @@ from tcal.evaluate.perplexity import perplexity
 from tcal.hybrid import LINEAR, HybridForCausalLM, teacher_layer_types
 from tcal.init import apply_init
 from tcal.retention import POLICIES, Selection, num_kept
-from tcal.retention.cache import cached_scores, scoring_windows, top_k
+from tcal.retention.cache import scored_selection, scoring_windows
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
@@ -68,11 +68,8 @@ def probe_perplexities(ctx, gdns: dict, windows: torch.Tensor, batch_size: int) 
 
 @POLICIES.register("ga_s2")
 def ga_s2(cfg, ctx) -> Selection:
-    num_layers = ctx.num_layers
-    k = num_kept(cfg.ratio, num_layers)
-    if k == num_layers:
-        log.info("retention ga_s2: ratio %s keeps all %d layers; nothing to score", cfg.ratio, num_layers)
-        return Selection(list(range(num_layers)))
+    """Keep the layers whose single-softmax probe student has the lowest perplexity (init-dependent)."""
+    num_kept(cfg.ratio, ctx.num_layers)  # a bad ratio fails before anything is read
 
     def score() -> dict[int, float]:
         windows = scoring_windows(cfg, ctx)
@@ -82,8 +79,4 @@ def ga_s2(cfg, ctx) -> Selection:
     calibration = {k: v for k, v in OmegaConf.to_container(run.calibration, resolve=True).items() if k != "cache"}
     extra = {"init": OmegaConf.to_container(run.init, resolve=True), "calibration": calibration,
              "seed": int(run.seed)}
-    scores = cached_scores(cfg, ctx, score, extra)
-    keep = top_k(scores, k, highest=False)
-    log.info("retention ga_s2 (init %s): probe perplexities %s -> keep %s", run.init.name,
-             {i: round(s, 2) for i, s in scores.items()}, keep)
-    return Selection(keep, scores)
+    return scored_selection(cfg, ctx, score, highest=False, extra=extra)
