@@ -97,6 +97,7 @@ def run(cfg, run_dir: str | Path) -> dict:
         "keep_layers": selection.keep_layers,
         "retention_scores": {str(k): v for k, v in selection.scores.items()},
         "init_mode": cfg.init.name,
+        "gqa_expansion": cfg.init.gqa_expansion,
         "kernel_path": kernel_path(device),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "status": "converted",

@@ -103,6 +103,12 @@ def load_run(path: Path) -> Run:
         raise IncompleteRun(f"malformed: {err}") from None
 
 
+def init_label(data: dict) -> str:
+    """The init mode, marked when the conversion used a non-default GQA expansion (`full (row_repeat)`)."""
+    init, gqa = str(_require(data, "init_mode")), data.get("gqa_expansion", "whole_head")
+    return init if gqa == "whole_head" else f"{init} ({gqa})"
+
+
 def _normalize(path: Path, data: dict) -> Run:
     metrics = _require(data, "metrics")
     ratio = data.get("ratio")
@@ -113,7 +119,7 @@ def _normalize(path: Path, data: dict) -> Run:
     harness, ruler = data.get("harness") or {}, data.get("ruler") or {}
     return Run(
         path=path, teacher=str(_require(data, "teacher.name")), policy=str(_require(data, "retention")),
-        ratio=round(float(ratio), 4), init=str(_require(data, "init_mode")),
+        ratio=round(float(ratio), 4), init=init_label(data),
         teacher_ppl=_ppl_by_set(metrics, "teacher_ppl"), student_ppl=_ppl_by_set(metrics, "student_ppl"),
         nlu={role: nlu_average(harness[role]) if harness.get(role) else None for role in ("teacher", "student")},
         ruler={role: _mean(v for by_task in (ruler.get(role) or {}).values() for v in by_task.values())
