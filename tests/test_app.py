@@ -134,3 +134,18 @@ def test_experiment_runs_from_the_command_line(name, tmp_path):
     for metrics in results["metrics"].values():
         assert math.isfinite(metrics["teacher_ppl"]) and math.isfinite(metrics["student_ppl"])
     assert all(name in proc.stdout for name in results["metrics"])  # the printed table names each eval set
+
+
+def test_datasets_source_splits_local_text_by_document(tmp_path):
+    """`data.source=datasets` reads rows through `datasets` (here the offline `text` builder)."""
+    from tcal.data import load_splits
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line number {i} of the corpus" for i in range(20)) + "\n")
+    cfg = compose("data=wikitext", "data.dataset=text", f"data.data_files={{train:{corpus}}}", "data.subset=null",
+                  "data.calibration_docs=3", "data.evaluation_docs=5").data
+    splits = load_splits(cfg)
+    names = [d.name for part in (splits.train, splits.calibration, splits.evaluation) for d in part]
+    assert (len(splits.calibration), len(splits.evaluation), len(splits.train)) == (3, 5, 12)
+    assert len(set(names)) == 20
+    assert {d.text for d in splits.evaluation} <= {f"line number {i} of the corpus" for i in range(20)}

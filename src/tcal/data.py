@@ -54,14 +54,28 @@ def file_documents(paths) -> list[Document]:
     return docs
 
 
+def dataset_documents(cfg) -> list[Document]:
+    """Rows of a `datasets` dataset (`data.dataset`, `data.subset`, `data.split`, text in `data.text_field`);
+    hub datasets need a reachable hub, local builders (`text`, `json` with `data.data_files`) work offline."""
+    import datasets
+
+    kwargs = {"data_files": dict(cfg.data_files)} if cfg.get("data_files") else {}
+    rows = datasets.load_dataset(cfg.dataset, cfg.get("subset"), split=cfg.get("split", "train"), **kwargs)
+    field = cfg.get("text_field", "text")
+    if cfg.get("max_documents"):
+        rows = rows.select(range(min(int(cfg.max_documents), len(rows))))
+    return [Document(f"{cfg.dataset}:{i}", row[field]) for i, row in enumerate(rows) if row[field].strip()]
+
+
+SOURCES = {"shakespeare": lambda cfg: shakespeare_documents(), "files": lambda cfg: file_documents(cfg.files),
+           "datasets": dataset_documents}
+
+
 def load_splits(cfg) -> Splits:
     """Documents of `cfg.source` split by document into train / calibration / evaluation."""
-    if cfg.source == "shakespeare":
-        docs = shakespeare_documents()
-    elif cfg.source == "files":
-        docs = file_documents(cfg.files)
-    else:
-        raise ValueError(f"data.source={cfg.source!r}; expected shakespeare or files")
+    if cfg.source not in SOURCES:
+        raise ValueError(f"data.source={cfg.source!r}; expected one of {sorted(SOURCES)}")
+    docs = SOURCES[cfg.source](cfg)
     n_cal, n_eval = int(cfg.calibration_docs), int(cfg.evaluation_docs)
     if n_cal < 1 or n_eval < 1 or n_cal + n_eval >= len(docs):
         raise ValueError(

@@ -31,7 +31,7 @@ def _docs_digest(docs: list[Document]) -> str:
 
 def cached_teacher(ctx, kind: str, settings, compute):
     """`compute()` for the teacher, memoized on disk by teacher weights, `kind` and `settings`."""
-    tokenizer = (type(ctx.tokenizer).__name__, ctx.tokenizer.name_or_path, len(ctx.tokenizer))
+    tokenizer = _key(type(ctx.tokenizer).__name__, ctx.tokenizer.get_vocab())
     path = ctx.cache_dir / "teacher_eval" / f"{kind}-{_key(teacher_fingerprint(ctx.teacher), tokenizer, kind, settings)}.json"
     if path.is_file():
         return json.loads(path.read_text())["value"]
