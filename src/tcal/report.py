@@ -12,12 +12,12 @@ import csv
 import io
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from tcal.evaluate.local_tasks import nlu_average
+from tcal.results import write_atomic, write_text_atomic
 
 INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full")
 ABLATION_INITS = ("naive", "zero_gate", "phase1", "phase2", "full")
@@ -281,17 +281,6 @@ def efficiency_table(runs: list[Run], baseline: str, calibrated: str) -> tuple[T
 
 # --- output ---
 
-def _atomic(path: Path, write) -> None:
-    """`write(tmp)` into a sibling temporary file, then rename it over `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    _atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
 def markdown_table(table: Table) -> str:
     header, rows = table
     if not rows:
@@ -303,7 +292,7 @@ def markdown_table(table: Table) -> str:
 def write_csv(path: Path, table: Table) -> None:
     buffer = io.StringIO()
     csv.writer(buffer, lineterminator="\n").writerows([table[0], *table[1]])
-    _write_text(path, buffer.getvalue())
+    write_text_atomic(path, buffer.getvalue())
 
 
 def _slug(*parts) -> str:
@@ -332,7 +321,7 @@ def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
                    title=f"{teacher} / {policy} / ratio {ratio:g}")
             ax.legend()
             path = out_dir / f"{_slug('curve', teacher, policy, f'r{ratio:g}', eval_set)}.png"
-            _atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+            write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
             plt.close(fig)
             paths.append(path)
     return paths
@@ -362,7 +351,7 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
     listed = "".join(f"- `{path.relative_to(folder)}`: {why}\n" for path, why in problems)
     parts.append("## Incomplete runs\n\n" + (listed or "None.\n"))
     markdown = "\n".join(parts)
-    _write_text(out_dir / "report.md", markdown)
+    write_text_atomic(out_dir / "report.md", markdown)
     return markdown
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from tcal.calibration.phase1 import apply_phase1
 from tcal.calibration.stats import collect_teacher_stats
 from tcal.data import token_windows
 from tcal.gdn import GatedDeltaNet
+from tcal.results import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,8 @@ class ArtifactStore:
     def save(self, key: str, state: dict, record: dict) -> None:
         if self.folder is None:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.path(key).with_suffix(".tmp")
-        torch.save({"state": {k: v.detach().cpu() for k, v in state.items()}, "record": record}, tmp)
-        os.replace(tmp, self.path(key))
+        artifact = {"state": {k: v.detach().cpu() for k, v in state.items()}, "record": record}
+        write_atomic(self.path(key), lambda tmp: torch.save(artifact, tmp))
 
 
 def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tensor, cfg, phases,

@@ -16,6 +16,8 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from tcal.results import write_text_atomic
+
 CLOZE_TASK = "tcal_cloze"
 NEXTLINE_TASK = "tcal_nextline"
 
@@ -56,8 +58,8 @@ def build_local_tasks(documents: list[str], out_dir, seed: int = 0, n_examples: 
     }
     for task, rows in records.items():
         data = out / f"{task}.jsonl"
-        _write_atomic(data, "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rows))
-        _write_atomic(out / f"{task}.yaml", _task_yaml(task, data))
+        write_text_atomic(data, "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rows))
+        write_text_atomic(out / f"{task}.yaml", _task_yaml(task, data))
     return list(records)
 
 
@@ -135,12 +137,6 @@ def _task_yaml(task: str, data: Path) -> str:
                 "  - {metric: acc, aggregation: mean, higher_is_better: true}\n"
                 "  - {metric: acc_norm, aggregation: mean, higher_is_better: true}\n")
     return head + body + "metadata:\n  version: 1.0\n"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
