@@ -7,19 +7,17 @@ runs of a sweep reuse them instead of calibrating again.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from tcal.calibration.align import align_layer
 from tcal.calibration.phase1 import apply_phase1
 from tcal.calibration.stats import collect_teacher_stats
 from tcal.data import token_windows
+from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 from tcal.gdn import GatedDeltaNet
 from tcal.results import write_atomic
 
@@ -33,33 +31,10 @@ def calibration_batch(ctx, cfg) -> torch.Tensor:
     return token_windows(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.batch_size))
 
 
-def _digest(*parts) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part if isinstance(part, bytes) else json.dumps(part, sort_keys=True, default=str).encode())
-    return h.hexdigest()[:20]
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().float().cpu().contiguous().numpy().tobytes()
-
-
-def teacher_fingerprint(teacher) -> str:
-    """Digest of the teacher's config and every weight (about a second for a 135M model), memoized."""
-    cached = getattr(teacher, "_tcal_fingerprint", None)
-    if cached is None:
-        h = hashlib.sha256(teacher.config.to_json_string().encode())
-        for name, tensor in teacher.state_dict().items():
-            h.update(name.encode())
-            h.update(_tensor_bytes(tensor))
-        cached = teacher._tcal_fingerprint = h.hexdigest()[:20]
-    return cached
-
-
 def artifact_key(teacher, layer: int, phases, batch: torch.Tensor, settings: dict, naive: GatedDeltaNet) -> str:
     """Everything a layer's calibration depends on: teacher, layer, phases, tokens, settings, starting point."""
-    start = b"".join(_tensor_bytes(p) for p in naive.state_dict().values())
-    return _digest(teacher_fingerprint(teacher), layer, list(phases), _tensor_bytes(batch), settings, start)
+    start = b"".join(tensor_bytes(p) for p in naive.state_dict().values())
+    return digest(teacher_fingerprint(teacher), layer, list(phases), tensor_bytes(batch), settings, start)
 
 
 class ArtifactStore:
@@ -89,7 +64,7 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
         raise ValueError(f"unknown calibration phases {unknown}; expected a subset of {PHASES}")
-    settings = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    settings = plain(cfg)
     keys = {i: artifact_key(teacher, i, phases, batch, settings, gdn) for i, gdn in gdns.items()}
     records: dict[int, dict] = {}
     for i, gdn in gdns.items():

@@ -6,42 +6,31 @@ disk (`paths.cache_dir/teacher_eval`): a sweep computes them once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 
-from omegaconf import OmegaConf
-
-from tcal.calibration.calibrate import teacher_fingerprint
 from tcal.data import Document, eval_sets, token_windows
 from tcal.evaluate.perplexity import perplexity
+from tcal.fingerprint import digest, plain, teacher_fingerprint
 from tcal.results import write_json_atomic
 
 log = logging.getLogger(__name__)
 
 
-def _key(*parts) -> str:
-    text = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
 def _docs_digest(docs: list[Document]) -> str:
-    return hashlib.sha256("\0".join(d.name + "\0" + d.text for d in docs).encode()).hexdigest()[:24]
+    return digest([(d.name, d.text) for d in docs])
 
 
 def cached_teacher(ctx, kind: str, settings, compute):
     """`compute()` for the teacher, memoized on disk by teacher weights, `kind` and `settings`."""
-    tokenizer = _key(type(ctx.tokenizer).__name__, ctx.tokenizer.get_vocab())
-    path = ctx.cache_dir / "teacher_eval" / f"{kind}-{_key(teacher_fingerprint(ctx.teacher), tokenizer, kind, settings)}.json"
+    tokenizer = digest(type(ctx.tokenizer).__name__, ctx.tokenizer.get_vocab())
+    key = digest(teacher_fingerprint(ctx.teacher), tokenizer, kind, settings)
+    path = ctx.cache_dir / "teacher_eval" / f"{kind}-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())["value"]
     value = compute()
     write_json_atomic(path, {"kind": kind, "settings": settings, "value": value})
     return value
-
-
-def _plain(node) -> dict:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
 
 
 def perplexities(ctx, student) -> dict:
@@ -68,7 +57,7 @@ def harness(ctx, student) -> dict | None:
         return None
     docs = ctx.splits.evaluation
     if cfg.name == "local":
-        folder = ctx.cache_dir / "local_tasks" / _key(_docs_digest(docs), int(cfg.seed), int(cfg.n_examples))
+        folder = ctx.cache_dir / "local_tasks" / digest(_docs_digest(docs), int(cfg.seed), int(cfg.n_examples))
         tasks = local_tasks.build_local_tasks([d.text for d in docs], folder, int(cfg.seed), int(cfg.n_examples))
         runs = [(tasks, None)]
         include, offline = folder, True
@@ -86,7 +75,7 @@ def harness(ctx, student) -> dict | None:
                                                int(cfg.max_length), cfg.get("limit"), shots, offline))
         return out
 
-    settings = {**_plain(cfg), "docs": _docs_digest(docs)}
+    settings = {**plain(cfg), "docs": _docs_digest(docs)}
     return {"teacher": cached_teacher(ctx, "harness", settings, lambda: run(ctx.teacher)), "student": run(student)}
 
 
@@ -102,7 +91,7 @@ def ruler(ctx, student) -> dict | None:
     def run(model):
         return score_ruler(model, ctx.tokenizer, docs, tuple(cfg.lengths), tuple(cfg.tasks), int(cfg.n), int(cfg.seed))
 
-    settings = {**_plain(cfg), "docs": _docs_digest(ctx.splits.evaluation)}
+    settings = {**plain(cfg), "docs": _docs_digest(ctx.splits.evaluation)}
     return {"teacher": cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher)), "student": run(student)}
 
 

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from omegaconf import OmegaConf
 
-from tcal.calibration.calibrate import _digest, _tensor_bytes, teacher_fingerprint
 from tcal.data import token_stream, token_windows
+from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 from tcal.results import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -37,33 +36,29 @@ NOT_SCORING = ("ratio", "cache", "keep")
 EVALUATION_ONLY = ("evaluation_docs", "eval_files")
 
 
-def _plain(node) -> dict:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
-
-
 def scoring_windows(cfg, ctx) -> torch.Tensor:
     """[num_windows, seq_len] tokens from the calibration split (never the evaluation split)."""
     return token_windows(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
 
 
-def calibration_tokens_digest(ctx) -> str:
+def calibration_tokensdigest(ctx) -> str:
     """Digest of the calibration split's whole token stream (what every scoring window is cut from)."""
     stream = token_stream(ctx.splits.calibration, ctx.tokenizer)
-    return _digest(stream.numel(), _tensor_bytes(stream))
+    return digest(stream.numel(), tensor_bytes(stream))
 
 
 def selection_key(cfg, ctx, extra: dict | None = None) -> tuple[str, dict]:
     """(digest, the parts it was built from) for the scores of policy `cfg.name`."""
-    data = {k: v for k, v in _plain(ctx.cfg.data).items() if k not in EVALUATION_ONLY}
+    data = {k: v for k, v in plain(ctx.cfg.data).items() if k not in EVALUATION_ONLY}
     parts = {
         "teacher": teacher_fingerprint(ctx.teacher),
         "policy": str(cfg.name),
-        "settings": {k: v for k, v in _plain(cfg).items() if k not in NOT_SCORING and k != "name"},
+        "settings": {k: v for k, v in plain(cfg).items() if k not in NOT_SCORING and k != "name"},
         "data": data,
-        "calibration_tokens": calibration_tokens_digest(ctx),
+        "calibration_tokens": calibration_tokensdigest(ctx),
         **(extra or {}),
     }
-    return _digest(parts), parts
+    return digest(parts), parts
 
 
 class ScoreCache:
