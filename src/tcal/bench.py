@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from tcal.gdn import chunk_gated_delta_rule_torch
 
@@ -54,7 +55,10 @@ def _fwd_bwd(rule, inputs):
 
 def bench_gdn(lengths=(512, 2048)) -> list[dict]:
     """fwd+bwd of the CPU delta-rule path against fla's naive recurrent (and naive chunk) references."""
-    from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+    from fla.ops.gated_delta_rule.naive import (
+        naive_chunk_gated_delta_rule,
+        naive_recurrent_gated_delta_rule,
+    )
 
     lines = []
     for T in lengths:
@@ -136,7 +140,7 @@ def bench_stats(teacher, seq_len=4096) -> dict:
 
 def bench_phase2_step(teacher, cfg, layer: int = 1, steps: int = 20) -> dict:
     """Phase 2 seconds per step on one layer, against one forward+backward of that GDN on the same batch."""
-    from tcal.calibration.align import alignment_loss, align_layer
+    from tcal.calibration.align import align_layer, alignment_loss
     from tcal.calibration.stats import collect_teacher_stats
     from tcal.convert import naive_gdn
 
@@ -150,16 +154,12 @@ def bench_phase2_step(teacher, cfg, layer: int = 1, steps: int = 20) -> dict:
         gdn.zero_grad(set_to_none=True)
 
     plain = best_time(fwd_bwd)
-    phase2 = dict(cfg.phase2) | {"steps": steps}
+    phase2 = OmegaConf.merge(cfg.phase2, {"steps": steps})
     start = time.perf_counter()
-    align_layer(naive_gdn(teacher, layer), stats.inputs, stats.attn_output, _Node(phase2))
+    align_layer(naive_gdn(teacher, layer), stats.inputs, stats.attn_output, phase2)
     per_step = (time.perf_counter() - start) / steps
     return emit("phase2_step", batch=f"{cfg.batch_size}x{cfg.seq_len}", layer=layer, fwd_bwd_s=plain,
                 phase2_step_s=per_step, ratio=per_step / plain, target="ratio <= 1.2")
-
-
-class _Node(dict):
-    __getattr__ = dict.__getitem__
 
 
 def bench_full_init(cfg) -> dict:

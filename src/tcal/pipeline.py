@@ -25,9 +25,8 @@ from tcal.gdn import kernel_path
 from tcal.init import init_student
 from tcal.results import write_json_atomic
 from tcal.retention import select_layers
-from tcal.teachers import adapter_for
-from tcal.tracking import make_tracker
 from tcal.teachers.load import load_teacher
+from tcal.tracking import make_tracker
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,6 @@ def prepare(cfg, run_dir: Path, timings: dict) -> RunContext:
         check_paper_tasks_available()  # fail before any work when the dataset hub is unreachable
     with timed(timings, "load_teacher"):
         teacher, tokenizer = load_teacher(cfg.teacher, cfg.paths.cache_dir)
-    adapter_for(teacher.config)
     with timed(timings, "load_data"):
         splits = load_splits(cfg.data)
     return RunContext(cfg, teacher, tokenizer, splits, Path(cfg.paths.cache_dir), Path(run_dir))

@@ -47,13 +47,13 @@ def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, 
                 progress: tqdm | None = None) -> dict:
     """Phase 2: full-batch AdamW on the alignment loss for `cfg.steps` steps; keep the lowest-loss state."""
     before = alignment_metrics(gdn, x, target, mask)
-    trainable = [p for group in parameter_groups(gdn, cfg.lr_projections, cfg.lr_dynamics) for p in group["params"]]
+    groups = parameter_groups(gdn, cfg.lr_projections, cfg.lr_dynamics)
+    trainable = [p for group in groups for p in group["params"]]
     requires = {id(p): p.requires_grad for p in gdn.parameters()}
     gdn.requires_grad_(False)
     for p in trainable:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(parameter_groups(gdn, cfg.lr_projections, cfg.lr_dynamics),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
     best_loss, best_state, best_step, losses = float("inf"), None, 0, []
     try:
         for step in range(int(cfg.steps)):
