@@ -20,7 +20,7 @@ from tcal.app import CONF_DIR
 from tcal.calibration import align as align_module
 from tcal.calibration import calibrate as calibrate_module
 from tcal.calibration.align import DYNAMICS, PROJECTIONS, align_layer, alignment_loss_value, parameter_groups
-from tcal.calibration.calibrate import ArtifactStore, artifact_key, calibrate_layers, calibration_batch
+from tcal.calibration.calibrate import ArtifactStore, artifact_key, calibrate_layers, calibration_batch, check_batch
 from tcal.calibration.phase1 import (
     apply_phase1,
     decay_rates,
@@ -32,6 +32,7 @@ from tcal.calibration.phase1 import (
 )
 from tcal.calibration.stats import LayerStats, blockwise_attention, collect_teacher_stats
 from tcal.convert import build_student, naive_gdn
+from tcal.data import token_stream
 from tcal.gdn import GatedDeltaNet
 from tcal.init import apply_init, init_student
 
@@ -259,6 +260,26 @@ def test_ols_recovers_planted_sigma():
     torch.testing.assert_close(ols_value_scale(extreme, output, 0.1, 10.0), torch.tensor([0.1, 10.0, 0.1, 1.0]))
 
 
+@pytest.mark.parametrize("query_scale, expected", [(True, [2.0, 8.0]), (False, [0.5, 2.0])])
+def test_apply_phase1_value_fit_recurrence(query_scale, expected):
+    """The context is planted as [2, 8] x the calibrated layer's real output (1/sqrt(dk) = 1/4 included).
+    The real recurrence recovers [2, 8]; the reference's hand loop, without 1/sqrt(dk), sees a 4x larger
+    output and fits a 4x smaller sigma."""
+    naive = tiny_gdn(head_dim=16)
+    stats = synthetic_stats(naive, [2.0, 4.0], [0.3, 0.9])
+    probe, cfg = copy.deepcopy(naive), calibration_cfg().phase1
+    cfg.sigma_min = cfg.sigma_max = 1.0
+    apply_phase1(probe, stats, cfg)  # the decay and write gate of Phase 1, Wv untouched
+    with torch.no_grad():
+        real_output = probe.mix(stats.inputs)[0]
+    planted = LayerStats(stats.mean_distance, stats.mean_entropy, stats.inputs,
+                         torch.tensor([2.0, 8.0])[:, None] * real_output, None)
+    cfg = calibration_cfg().phase1
+    cfg.value_fit_query_scale = query_scale
+    record = apply_phase1(copy.deepcopy(naive), planted, cfg)
+    torch.testing.assert_close(torch.tensor(record["sigma"]), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
 # ------------------------------------------------------------------ 6. output gate alpha
 
 
@@ -480,8 +501,50 @@ def test_artifact_key_depends_on_every_input(teacher, tokens):
         artifact_key(teacher, 1, ("phase1", "phase2"), tokens, settings, naive_gdn(teacher, 1, seed=1)),
         artifact_key(teacher, 1, ("phase1", "phase2"), tokens, settings, naive_gdn(teacher, 1, gqa_expansion="row_repeat")),
         artifact_key(make_teacher("llama", seed=4), 1, ("phase1", "phase2"), tokens, settings, naive),
+        artifact_key(teacher, 1, ("phase1", "phase2"), tokens, settings, naive, check=other_tokens),
     ]
     assert len({key, *variants}) == len(variants) + 1
+
+
+def test_check_tokens_measure_every_layer_on_unseen_windows(teacher, tokens):
+    """With check tokens, each record holds the layer's alignment loss and cosine on them before the init
+    (the naive layer) and after it, equal to a direct computation; calibration itself is unchanged."""
+    check = torch.randint(101, (1, 24), generator=torch.Generator().manual_seed(6))
+    cfg = calibration_cfg(steps=3)
+    with_check = {i: naive_gdn(teacher, i) for i in (1, 2)}
+    records = calibrate_layers(teacher, with_check, tokens, cfg, ("phase1", "phase2"), ArtifactStore(None), check)
+    plain_run = {i: naive_gdn(teacher, i) for i in (1, 2)}
+    plain_records = calibrate_layers(teacher, plain_run, tokens, cfg, ("phase1", "phase2"), ArtifactStore(None))
+    stats = collect_teacher_stats(teacher, check, layers=[1, 2], block_size=16)
+    for i in (1, 2):
+        assert "check" not in plain_records[i]
+        assert records[i]["phase2"]["losses"] == plain_records[i]["phase2"]["losses"]
+        y_before = naive_gdn(teacher, i)(stats[i].inputs)[0]
+        y_after = with_check[i](stats[i].inputs)[0]
+        target = stats[i].attn_output
+        got = records[i]["check"]
+        assert got["tokens"] == 24
+        assert got["loss_before"] == pytest.approx(F.mse_loss(y_before, target).item(), rel=1e-5)
+        assert got["loss_after"] == pytest.approx(F.mse_loss(y_after, target).item(), rel=1e-5)
+        assert got["cosine_after"] == pytest.approx(F.cosine_similarity(y_after, target, dim=-1).mean().item(), rel=1e-5)
+        assert got["loss_after"] != pytest.approx(got["loss_before"], rel=1e-3)
+
+
+def test_run_records_check_on_windows_between_calibration_windows(ctx):
+    cfg = ctx.cfg.calibration
+    batch, check = calibration_batch(ctx, cfg), check_batch(ctx, cfg)
+    assert check.shape == (1, 32)  # batch_size - 1 windows
+    assert not any(torch.equal(check[0], row) for row in batch)
+    student = build_student(ctx.teacher, [0])
+    result = init_student(student, init_cfg("phase1"), ctx)
+    assert all(r["check"]["tokens"] == 32 for r in result["layers"].values())
+    off = copy.deepcopy(cfg)
+    off.check = False
+    assert check_batch(ctx, off) is None
+    tight = copy.deepcopy(cfg)
+    tight.seq_len = int(0.4 * token_stream(ctx.splits.calibration, ctx.tokenizer).numel())  # 2 fit, 3 do not
+    with pytest.raises(ValueError, match=r"calibration.check: no room between 2 windows .* set calibration.check=false"):
+        check_batch(ctx, tight)
 
 
 # ------------------------------------------------------------------ 11. gate baselines

@@ -108,14 +108,30 @@ def token_stream(docs: list[Document], tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def _window_stride(n_tokens: int, seq_len: int, num_windows: int) -> int:
+    need = seq_len * num_windows
+    if n_tokens < need:
+        raise ValueError(f"{num_windows} windows of {seq_len} tokens need {need} tokens; the documents give {n_tokens}")
+    return (n_tokens - seq_len) // max(num_windows - 1, 1)
+
+
 def token_windows(docs: list[Document], tokenizer, seq_len: int, num_windows: int) -> torch.Tensor:
     """[num_windows, seq_len] non-overlapping windows spread evenly over the joined documents, so a few
     windows sample whole plays rather than their opening cast lists."""
     stream = token_stream(docs, tokenizer)
-    need = seq_len * num_windows
-    if stream.numel() < need:
-        raise ValueError(
-            f"{num_windows} windows of {seq_len} tokens need {need} tokens; the documents give {stream.numel()}"
-        )
-    stride = (stream.numel() - seq_len) // max(num_windows - 1, 1)
+    stride = _window_stride(stream.numel(), seq_len, num_windows)
     return torch.stack([stream[i * stride:i * stride + seq_len] for i in range(num_windows)])
+
+
+def between_windows(docs: list[Document], tokenizer, seq_len: int, num_windows: int) -> torch.Tensor | None:
+    """[num_windows - 1, seq_len] windows midway between those of `token_windows(docs, ..., num_windows)`:
+    tokens of the same split that a fit on those windows never saw. None for a single window."""
+    if num_windows < 2:
+        return None
+    stream = token_stream(docs, tokenizer)
+    stride = _window_stride(stream.numel(), seq_len, num_windows)
+    if stride < 2 * seq_len:
+        raise ValueError(f"no room between {num_windows} windows of {seq_len} tokens in {stream.numel()} tokens; "
+                         f"need {seq_len * (2 * num_windows - 1)}")
+    start = stride // 2
+    return torch.stack([stream[start + i * stride:start + i * stride + seq_len] for i in range(num_windows - 1)])

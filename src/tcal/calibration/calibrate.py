@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tcal.calibration.align import align_layer
+from tcal.calibration.align import align_layer, alignment_metrics
 from tcal.calibration.phase1 import apply_phase1
 from tcal.calibration.stats import collect_teacher_stats
-from tcal.data import token_windows
+from tcal.data import between_windows, token_windows
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 from tcal.gdn import GatedDeltaNet
 from tcal.results import write_atomic
@@ -31,10 +31,34 @@ def calibration_batch(ctx, cfg) -> torch.Tensor:
     return token_windows(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.batch_size))
 
 
-def artifact_key(teacher, layer: int, phases, batch: torch.Tensor, settings: dict, naive: GatedDeltaNet) -> str:
-    """Everything a layer's calibration depends on: teacher, layer, phases, tokens, settings, starting point."""
+def check_batch(ctx, cfg) -> torch.Tensor | None:
+    """Calibration-split windows between those of the calibration batch: the fit never sees them, so the
+    alignment loss on them says whether a layer's calibration generalizes. None when `cfg.check` is off."""
+    if not cfg.check:
+        return None
+    try:
+        return between_windows(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.batch_size))
+    except ValueError as err:
+        raise ValueError(f"calibration.check: {err}; set calibration.check=false or use shorter windows") from err
+
+
+def check_metrics(gdn: GatedDeltaNet, stats) -> dict:
+    device = next(gdn.parameters()).device
+    return alignment_metrics(gdn, stats.inputs.to(device), stats.attn_output.to(device))
+
+
+def check_record(before: dict, after: dict, tokens: int) -> dict:
+    return {"tokens": tokens, "loss_before": before["mse"], "cosine_before": before["cosine"],
+            "loss_after": after["mse"], "cosine_after": after["cosine"]}
+
+
+def artifact_key(teacher, layer: int, phases, batch: torch.Tensor, settings: dict, naive: GatedDeltaNet,
+                 check: torch.Tensor | None = None) -> str:
+    """Everything a layer's calibration and its record depend on: teacher, layer, phases, tokens, settings,
+    starting point, and the held-out check tokens."""
     start = b"".join(tensor_bytes(p) for p in naive.state_dict().values())
-    return digest(teacher_fingerprint(teacher), layer, list(phases), tensor_bytes(batch), settings, start)
+    held_out = tensor_bytes(check) if check is not None else None
+    return digest(teacher_fingerprint(teacher), layer, list(phases), tensor_bytes(batch), settings, start, held_out)
 
 
 class ArtifactStore:
@@ -59,13 +83,14 @@ class ArtifactStore:
 
 
 def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tensor, cfg, phases,
-                     store: ArtifactStore) -> dict[int, dict]:
-    """Calibrate each GDN (in place) against the teacher layer of the same index; returns per-layer records."""
+                     store: ArtifactStore, check: torch.Tensor | None = None) -> dict[int, dict]:
+    """Calibrate each GDN (in place) against the teacher layer of the same index; returns per-layer records.
+    With `check` tokens, each record also gets the alignment loss and cosine on them before and after."""
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
         raise ValueError(f"unknown calibration phases {unknown}; expected a subset of {PHASES}")
     settings = plain(cfg)
-    keys = {i: artifact_key(teacher, i, phases, batch, settings, gdn) for i, gdn in gdns.items()}
+    keys = {i: artifact_key(teacher, i, phases, batch, settings, gdn, check) for i, gdn in gdns.items()}
     records: dict[int, dict] = {}
     for i, gdn in gdns.items():
         cached = store.load(keys[i])
@@ -77,11 +102,14 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
         return dict(sorted(records.items()))
     log.info("calibrating layers %s (%s) on %s calibration tokens", todo, "+".join(phases), batch.numel())
     stats = collect_teacher_stats(teacher, batch, layers=todo, block_size=int(cfg.block_size))
+    check_stats = None if check is None else collect_teacher_stats(teacher, check, layers=todo,
+                                                                    block_size=int(cfg.block_size))
     steps = int(cfg.phase2.steps) if "phase2" in phases else 0
     bar = tqdm(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
     for i in todo:
         gdn, layer_stats = gdns[i], stats[i]
         record: dict = {}
+        before = check_metrics(gdn, check_stats[i]) if check_stats is not None else None
         if "phase1" in phases:
             record["phase1"] = apply_phase1(gdn, layer_stats, cfg.phase1)
         if "phase2" in phases:
@@ -92,6 +120,10 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
                      record["phase2"]["loss_after"], record["phase2"]["cosine_before"], record["phase2"]["cosine_after"])
         else:
             bar.update(1)
+        if before is not None:
+            record["check"] = check_record(before, check_metrics(gdn, check_stats[i]), check.numel())
+            log.info("layer %d on %d unseen tokens: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, check.numel(),
+                     *(record["check"][k] for k in ("loss_before", "loss_after", "cosine_before", "cosine_after")))
         store.save(keys[i], gdn.state_dict(), record)
         records[i] = {**record, "cached": False}
     bar.close()
@@ -103,5 +135,5 @@ def calibrate_gdns(gdns: dict[int, GatedDeltaNet], ctx, phases) -> dict:
     cfg = ctx.cfg.calibration
     store = ArtifactStore(ctx.cache_dir / "calibration" / ctx.cfg.teacher.name if cfg.cache else None)
     batch = calibration_batch(ctx, cfg)
-    records = calibrate_layers(ctx.teacher, gdns, batch, cfg, phases, store)
+    records = calibrate_layers(ctx.teacher, gdns, batch, cfg, phases, store, check_batch(ctx, cfg))
     return {"phases": list(phases), "calibration_tokens": batch.numel(), "layers": {str(i): r for i, r in records.items()}}

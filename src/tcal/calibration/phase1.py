@@ -75,6 +75,8 @@ def apply_phase1(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask: torch.Tensor 
 
     x = stats.inputs.to(param.device, gdn.q_proj.weight.dtype)
     o, _ = gdn.mix(x, mask)
+    if not cfg.value_fit_query_scale:
+        o = o * math.sqrt(gdn.head_dim)
     context = stats.context.to(param.device)
     sigma = ols_value_scale(_valid(context, mask), _valid(o, mask), cfg.sigma_min, cfg.sigma_max)
     heads = gdn.v_proj.weight.view(gdn.num_heads, gdn.head_dim, -1)
