@@ -249,6 +249,9 @@ def test_second_selection_reads_the_cache(policy, init, make_ctx, teacher, monke
     # One scoring serves every ratio.
     wider = make_ctx(teacher, f"retention={policy}", f"init={init}", "retention.ratio=0.75")
     assert select_layers(wider.cfg.retention, wider).scores == first.scores
+    # The unseen-window report changes no calibrated weight, so it is not part of the key either.
+    unchecked = make_ctx(teacher, f"retention={policy}", f"init={init}", "calibration.check=false")
+    assert select_layers(unchecked.cfg.retention, unchecked).scores == first.scores
     # A scoring setting is part of the key: scoring again (which is forbidden here).
     other = make_ctx(teacher, f"retention={policy}", f"init={init}", "retention.num_windows=3")
     with pytest.raises(Forbidden):

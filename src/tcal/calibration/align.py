@@ -16,21 +16,22 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 DYNAMICS = ("a_proj", "b_proj", "g_proj", "A_log", "dt_bias")
 
 
-def _select(output: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    return output if mask is None else output[mask.bool()]
+def valid_tokens(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Rows of a [B, T, ...] tensor at non-padded positions (mask: [B, T], 1 = token)."""
+    return t if mask is None else t[mask.bool()]
 
 
 def alignment_loss(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, mask=None) -> torch.Tensor:
     """MSE between the layer's output and the teacher attention output, over non-padded tokens."""
     y = gdn(x, linear_attention_mask=mask)[0]
-    return F.mse_loss(_select(y, mask).float(), _select(target, mask).float())
+    return F.mse_loss(valid_tokens(y, mask).float(), valid_tokens(target, mask).float())
 
 
 @torch.no_grad()
 def alignment_metrics(gdn: GatedDeltaNet, x, target, mask=None) -> dict:
     """MSE and mean per-token cosine similarity to the teacher output."""
-    y = _select(gdn(x, linear_attention_mask=mask)[0], mask).float()
-    t = _select(target, mask).float()
+    y = valid_tokens(gdn(x, linear_attention_mask=mask)[0], mask).float()
+    t = valid_tokens(target, mask).float()
     return {"mse": F.mse_loss(y, t).item(), "cosine": F.cosine_similarity(y, t, dim=-1).mean().item()}
 
 

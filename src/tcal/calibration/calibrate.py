@@ -42,9 +42,14 @@ def check_batch(ctx, cfg) -> torch.Tensor | None:
         raise ValueError(f"calibration.check: {err}; set calibration.check=false or use shorter windows") from err
 
 
-def check_metrics(gdn: GatedDeltaNet, stats) -> dict:
+def teacher_io(gdn: GatedDeltaNet, stats) -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher-forced input, teacher attention output) of a layer, on the GDN's device."""
     device = next(gdn.parameters()).device
-    return alignment_metrics(gdn, stats.inputs.to(device), stats.attn_output.to(device))
+    return stats.inputs.to(device), stats.attn_output.to(device)
+
+
+def check_metrics(gdn: GatedDeltaNet, stats) -> dict:
+    return alignment_metrics(gdn, *teacher_io(gdn, stats))
 
 
 def check_record(before: dict, after: dict, tokens: int) -> dict:
@@ -113,9 +118,7 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
         if "phase1" in phases:
             record["phase1"] = apply_phase1(gdn, layer_stats, cfg.phase1)
         if "phase2" in phases:
-            device = next(gdn.parameters()).device
-            record["phase2"] = align_layer(gdn, layer_stats.inputs.to(device), layer_stats.attn_output.to(device),
-                                           cfg.phase2, progress=bar)
+            record["phase2"] = align_layer(gdn, *teacher_io(gdn, layer_stats), cfg.phase2, progress=bar)
             log.info("layer %d phase2: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, record["phase2"]["loss_before"],
                      record["phase2"]["loss_after"], record["phase2"]["cosine_before"], record["phase2"]["cosine_after"])
         else:

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from tcal.calibration.align import valid_tokens
 from tcal.calibration.stats import LayerStats
 from tcal.gdn import GatedDeltaNet
 
@@ -57,11 +58,6 @@ def output_gate_alpha(context: torch.Tensor, value_activation: torch.Tensor, dam
     return damping * rms(context) / max(rms(value_activation), 1e-12)
 
 
-def _valid(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Rows of a [B, T, ...] tensor at non-padded positions."""
-    return t if mask is None else t[mask.bool()]
-
-
 @torch.no_grad()
 def apply_phase1(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask: torch.Tensor | None = None) -> dict:
     """Set A_log, dt_bias, b_proj, v_proj and g_proj of one GDN layer; return what was set, per head."""
@@ -78,12 +74,12 @@ def apply_phase1(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask: torch.Tensor 
     if not cfg.value_fit_query_scale:
         o = o * math.sqrt(gdn.head_dim)
     context = stats.context.to(param.device)
-    sigma = ols_value_scale(_valid(context, mask), _valid(o, mask), cfg.sigma_min, cfg.sigma_max)
+    sigma = ols_value_scale(valid_tokens(context, mask), valid_tokens(o, mask), cfg.sigma_min, cfg.sigma_max)
     heads = gdn.v_proj.weight.view(gdn.num_heads, gdn.head_dim, -1)
     heads.mul_(sigma.to(heads)[:, None, None])
 
     value_activation = torch.nn.functional.silu(gdn.v_proj(x).float())
-    alpha = output_gate_alpha(_valid(context, mask), _valid(value_activation, mask), cfg.gate_damping)
+    alpha = output_gate_alpha(valid_tokens(context, mask), valid_tokens(value_activation, mask), cfg.gate_damping)
     gdn.g_proj.weight.copy_(alpha * gdn.v_proj.weight)
     return {
         "mean_distance": stats.mean_distance.tolist(),

@@ -41,7 +41,7 @@ def scoring_windows(cfg, ctx) -> torch.Tensor:
     return token_windows(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
 
 
-def calibration_tokensdigest(ctx) -> str:
+def calibration_tokens_digest(ctx) -> str:
     """Digest of the calibration split's whole token stream (what every scoring window is cut from)."""
     stream = token_stream(ctx.splits.calibration, ctx.tokenizer)
     return digest(stream.numel(), tensor_bytes(stream))
@@ -55,7 +55,7 @@ def selection_key(cfg, ctx, extra: dict | None = None) -> tuple[str, dict]:
         "policy": str(cfg.name),
         "settings": {k: v for k, v in plain(cfg).items() if k not in NOT_SCORING and k != "name"},
         "data": data,
-        "calibration_tokens": calibration_tokensdigest(ctx),
+        "calibration_tokens": calibration_tokens_digest(ctx),
         **(extra or {}),
     }
     return digest(parts), parts
