@@ -594,6 +594,8 @@ def test_apply_phase1_ignores_padding():
         ref.b_proj.weight.copy_(rescale_write_gate(ref.b_proj.weight, write_targets(entropy)[1]))
         # [valid tokens, H, dh], in the order of x[mask.bool()]
         o_valid = torch.cat([ref.mix(x[0:1, :t_len - right])[0][0], ref.mix(x[1:2, left:])[0][0]])
+    if not cfg.value_fit_query_scale:
+        o_valid = o_valid * math.sqrt(8)  # the reference's recurrence, without fla's 1/sqrt(dk)
     planted = torch.tensor([2.0, 0.5])
     ctx_valid = planted[:, None] * o_valid + 1e-3 * o_valid.std() * torch.randn(o_valid.shape, generator=gen)
     context = torch.full((2, t_len, 2, 8), 1e3)

@@ -135,3 +135,14 @@ def between_windows(docs: list[Document], tokenizer, seq_len: int, num_windows: 
                          f"need {seq_len * (2 * num_windows - 1)}")
     start = stride // 2
     return torch.stack([stream[start + i * stride:start + i * stride + seq_len] for i in range(num_windows - 1)])
+
+
+def every_nth(windows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept, held_out): every `n`-th window (indices n-1, 2n-1, ...) held out, the rest kept. Windows from
+    `token_windows` never overlap, so the two sets share no token position; held-out windows sit spread over
+    the whole split, like the kept ones."""
+    if n < 2 or windows.shape[0] < n:
+        raise ValueError(f"holding out every {n}th of {windows.shape[0]} windows leaves no held-out or no kept window")
+    held = torch.zeros(windows.shape[0], dtype=torch.bool)
+    held[n - 1::n] = True
+    return windows[~held], windows[held]

@@ -6,6 +6,9 @@ is pulled towards the teacher attention module's output y_T on the same input.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -44,28 +47,47 @@ def parameter_groups(gdn: GatedDeltaNet, lr_projections: float, lr_dynamics: flo
     return [{"params": params(PROJECTIONS), "lr": lr_projections}, {"params": params(DYNAMICS), "lr": lr_dynamics}]
 
 
-def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, mask=None,
-                progress: tqdm | None = None) -> dict:
-    """Phase 2: full-batch AdamW on the alignment loss for `cfg.steps` steps; keep the lowest-loss state."""
-    before = alignment_metrics(gdn, x, target, mask)
-    groups = parameter_groups(gdn, cfg.lr_projections, cfg.lr_dynamics)
-    trainable = [p for group in groups for p in group["params"]]
+@contextlib.contextmanager
+def only_trainable(gdn: GatedDeltaNet, trainable) -> Iterator[None]:
+    """Gradients for `trainable` only while the block runs; every parameter's requires_grad is restored after."""
     requires = {id(p): p.requires_grad for p in gdn.parameters()}
     gdn.requires_grad_(False)
     for p in trainable:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
-    best_loss, best_state, best_step, losses = float("inf"), None, 0, []
     try:
+        yield
+    finally:
+        for p in gdn.parameters():
+            p.requires_grad_(requires[id(p)])
+
+
+def phase2_optimizer(gdn: GatedDeltaNet, cfg) -> tuple[torch.optim.Optimizer, list]:
+    """AdamW over Phase 2's parameter groups, and the trainable parameters (for clipping)."""
+    groups = parameter_groups(gdn, cfg.lr_projections, cfg.lr_dynamics)
+    trainable = [p for group in groups for p in group["params"]]
+    return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay), trainable
+
+
+def optimizer_step(optimizer, trainable, loss: torch.Tensor, grad_clip: float) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
+    optimizer.step()
+
+
+def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, mask=None,
+                progress: tqdm | None = None) -> dict:
+    """Phase 2: full-batch AdamW on the alignment loss for `cfg.steps` steps; keep the lowest-loss state."""
+    before = alignment_metrics(gdn, x, target, mask)
+    optimizer, trainable = phase2_optimizer(gdn, cfg)
+    best_loss, best_state, best_step, losses = float("inf"), None, 0, []
+    with only_trainable(gdn, trainable):
         for step in range(int(cfg.steps)):
-            optimizer.zero_grad(set_to_none=True)
             loss = alignment_loss(gdn, x, target, mask)
             losses.append(loss.item())
             if losses[-1] < best_loss:
                 best_loss, best_state, best_step = losses[-1], _snapshot(gdn), step
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-            optimizer.step()
+            optimizer_step(optimizer, trainable, loss, cfg.grad_clip)
             if progress is not None:
                 progress.update(1)
         final = alignment_loss_value(gdn, x, target, mask)
@@ -73,9 +95,6 @@ def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, 
             best_loss, best_step = final, int(cfg.steps)
         else:
             gdn.load_state_dict(best_state)
-    finally:
-        for p in gdn.parameters():
-            p.requires_grad_(requires[id(p)])
     after = alignment_metrics(gdn, x, target, mask)
     return {"loss_before": before["mse"], "cosine_before": before["cosine"], "loss_after": after["mse"],
             "cosine_after": after["cosine"], "best_step": best_step, "losses": losses}

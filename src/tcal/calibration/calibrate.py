@@ -87,6 +87,23 @@ class ArtifactStore:
         write_atomic(self.path(key), lambda tmp: torch.save(artifact, tmp))
 
 
+def load_cached(gdns: dict[int, GatedDeltaNet], keys: dict[int, str], store: ArtifactStore) -> dict[int, dict]:
+    """Load every layer whose artifact exists (in place); their records, marked cached."""
+    records: dict[int, dict] = {}
+    for i, gdn in gdns.items():
+        cached = store.load(keys[i])
+        if cached is not None:
+            gdn.load_state_dict(cached["state"])
+            records[i] = {**cached["record"], "cached": True}
+    return records
+
+
+def calibration_store(ctx) -> ArtifactStore:
+    """The run's calibration artifact folder (none with `calibration.cache=false`)."""
+    cache = ctx.cfg.calibration.cache
+    return ArtifactStore(ctx.cache_dir / "calibration" / ctx.cfg.teacher.name if cache else None)
+
+
 def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tensor, cfg, phases,
                      store: ArtifactStore, check: torch.Tensor | None = None) -> dict[int, dict]:
     """Calibrate each GDN (in place) against the teacher layer of the same index; returns per-layer records.
@@ -96,12 +113,7 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
         raise ValueError(f"unknown calibration phases {unknown}; expected a subset of {PHASES}")
     settings = plain(cfg)
     keys = {i: artifact_key(teacher, i, phases, batch, settings, gdn, check) for i, gdn in gdns.items()}
-    records: dict[int, dict] = {}
-    for i, gdn in gdns.items():
-        cached = store.load(keys[i])
-        if cached is not None:
-            gdn.load_state_dict(cached["state"])
-            records[i] = {**cached["record"], "cached": True}
+    records = load_cached(gdns, keys, store)
     todo = [i for i in gdns if i not in records]
     if not todo:
         return dict(sorted(records.items()))
@@ -136,7 +148,7 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
 def calibrate_gdns(gdns: dict[int, GatedDeltaNet], ctx, phases) -> dict:
     """Calibrate GDN layers with the run's `calibration` settings and artifact cache."""
     cfg = ctx.cfg.calibration
-    store = ArtifactStore(ctx.cache_dir / "calibration" / ctx.cfg.teacher.name if cfg.cache else None)
+    store = calibration_store(ctx)
     batch = calibration_batch(ctx, cfg)
     records = calibrate_layers(ctx.teacher, gdns, batch, cfg, phases, store, check_batch(ctx, cfg))
     return {"phases": list(phases), "calibration_tokens": batch.numel(), "layers": {str(i): r for i, r in records.items()}}

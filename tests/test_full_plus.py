@@ -1,0 +1,174 @@
+"""`full_plus` (issue 12): the calibration pool comes from the calibration split only and never overlaps its
+held-out windows; the held-out loss picks the state kept; the mode runs end to end on a tiny teacher, same seed
+same layers, and its artifacts are reused. Everything is tiny: the file runs in seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import compose, isolated_cache_dir, make_teacher
+
+from tcal.calibration.align import alignment_metrics
+from tcal.calibration.calibrate import ArtifactStore
+from tcal.calibration.pool import align_on_pool, calibrate_on_pool, minibatches
+from tcal.convert import naive_gdn
+from tcal.data import Document, Splits
+from tcal.gdn import GatedDeltaNet
+from tcal.init.full_plus import full_plus_pool
+from tcal.pipeline import run
+
+EOS = 99
+
+
+class WordTokenizer:
+    """Each whitespace-separated number is its own token id: token positions can be read off the text."""
+
+    eos_token_id = EOS
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(word) for word in text.split()]}
+
+
+def numbers(first: int, last: int) -> str:
+    return " ".join(str(i) for i in range(first, last + 1))
+
+
+def pool_cfg(**phase2):
+    steps = {"steps": 6, "batch_size": 2, "select_every": 2, "lr_projections": 1e-2, "lr_dynamics": 1e-2,
+             "weight_decay": 0.01, "grad_clip": 1.0, **phase2}
+    return SimpleNamespace(**steps)
+
+
+# ------------------------------------------------------------------ the pool
+
+
+def test_pool_windows_by_hand():
+    """Calibration split "1 .. 17" + EOS is 18 tokens; 8 windows of 2 sit at stride (18 - 2) // 7 = 2; every 4th
+    (indices 3 and 7) is held out. Training and evaluation documents use other ids, and none of them appear."""
+    splits = Splits(train=[Document("train", numbers(40, 60))], calibration=[Document("cal", numbers(1, 17))],
+                    evaluation=[Document("eval", numbers(70, 90))])
+    ctx = SimpleNamespace(splits=splits, tokenizer=WordTokenizer())
+    cfg = SimpleNamespace(pool=SimpleNamespace(seq_len=2, windows=8, held_out_every=4))
+    pool = full_plus_pool(ctx, cfg)
+    assert pool.fit.tolist() == [[1, 2], [3, 4], [5, 6], [9, 10], [11, 12], [13, 14]]
+    assert pool.held_out.tolist() == [[7, 8], [15, 16]]
+
+    draws = pool.fit[minibatches(len(pool.fit), 2, 9, torch.Generator().manual_seed(0))]
+    drawn = set(draws.flatten().tolist())
+    assert drawn == set(pool.fit.flatten().tolist())  # 18 draws cover all 6 fit windows: shuffled passes
+    assert not drawn & set(pool.held_out.flatten().tolist())
+
+
+def test_pool_needs_held_out_and_fit_windows():
+    ctx = SimpleNamespace(splits=Splits([], [Document("cal", numbers(1, 17))], []), tokenizer=WordTokenizer())
+    with pytest.raises(ValueError, match="every 9th of 8 windows"):
+        full_plus_pool(ctx, SimpleNamespace(pool=SimpleNamespace(seq_len=2, windows=8, held_out_every=9)))
+
+
+def test_minibatches_are_seeded():
+    def draw(seed):
+        return minibatches(10, 3, 7, torch.Generator().manual_seed(seed))
+
+    assert torch.equal(draw(1), draw(1))
+    assert not torch.equal(draw(1), draw(2))
+    assert all(len(set(row.tolist())) == 3 for row in draw(1)[:3])  # within a pass, no window twice
+
+
+# ------------------------------------------------------------------ held-out state selection
+
+
+def small_problem(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    gdn = GatedDeltaNet(16, 2, 8, layer_idx=0)
+    x = torch.randn(8, 12, 16, generator=gen)
+    target = torch.randn(8, 12, 16, generator=gen) * 0.5
+    return gdn, x, target
+
+
+def test_selection_keeps_the_held_out_best_not_the_last():
+    """Planted: the held-out target is the starting layer's own output, so the starting state has held-out loss
+    0 and every later state more. The fitted loss falls, yet the starting state (step 0) is the one kept."""
+    gdn, x, target = small_problem()
+    start = {k: v.clone() for k, v in gdn.state_dict().items()}
+    with torch.no_grad():
+        held = (x[:2], gdn(x[:2])[0])
+    record = align_on_pool(gdn, (x[2:], target[2:]), held, pool_cfg(), torch.Generator().manual_seed(0))
+    assert record["losses"][-1] < record["losses"][0]  # the fit did move the layer
+    assert record["best_step"] == 0 and record["held_out_loss_after"] == 0.0
+    assert all(loss > 0 for step, loss, _ in record["held_out_curve"] if step > 0)
+    for key, value in start.items():
+        assert torch.equal(gdn.state_dict()[key], value), key
+
+
+def test_selection_keeps_the_lowest_held_out_loss():
+    """The kept state's held-out loss, measured again, is the minimum of the held-out curve."""
+    gdn, x, target = small_problem(1)
+    held = (x[:2], target[:2])
+    record = align_on_pool(gdn, (x, target), held, pool_cfg(steps=8), torch.Generator().manual_seed(0))
+    curve = {step: loss for step, loss, _ in record["held_out_curve"]}
+    assert sorted(curve) == [0, 2, 4, 6, 8]
+    assert record["held_out_loss_after"] == min(curve.values()) == curve[record["best_step"]]
+    assert alignment_metrics(gdn, *held)["mse"] == pytest.approx(min(curve.values()), rel=1e-6)
+    assert record["held_out_loss_after"] < record["held_out_loss_before"]
+
+
+def test_same_seed_same_layers():
+    """Bit-identical layers from two uncached calibrations with the same seed; another seed differs."""
+    teacher = make_teacher("llama", seed=3)
+    pool = SimpleNamespace(fit=torch.randint(101, (6, 16), generator=torch.Generator().manual_seed(0)),
+                           held_out=torch.randint(101, (2, 16), generator=torch.Generator().manual_seed(1)))
+    phase1 = compose("teacher=tiny_llama").calibration.phase1
+
+    def layers(seed):
+        gdns = {i: naive_gdn(teacher, i) for i in (1, 2)}
+        calibrate_on_pool(teacher, gdns, pool, ["value_scale"], phase1, pool_cfg(steps=4), {}, ArtifactStore(None),
+                          seed, block_size=8)
+        return gdns
+
+    first, again, other = layers(0), layers(0), layers(1)
+    for i in (1, 2):
+        for key, value in first[i].state_dict().items():
+            assert torch.equal(again[i].state_dict()[key], value), (i, key)
+    assert not torch.equal(first[1].q_proj.weight, other[1].q_proj.weight)
+
+
+# ------------------------------------------------------------------ end to end
+
+
+TINY_FULL_PLUS = ("experiment=smoke", "init=full_plus", "init.pool.seq_len=32", "init.pool.windows=16",
+                  "init.phase2.steps=6", "init.phase2.select_every=3", "save_student=false")
+
+
+def run_full_plus(root: Path, cache: str, name: str, *overrides: str) -> dict:
+    cfg = compose(*TINY_FULL_PLUS, f"paths.cache_dir={cache}", f"paths.output_dir={root / 'outputs'}", *overrides)
+    run(cfg, root / name)
+    return json.loads((root / name / "results.json").read_text())
+
+
+def test_full_plus_end_to_end_and_cached(tmp_path):
+    cache = isolated_cache_dir(tmp_path / "cache")
+    first = run_full_plus(tmp_path, cache, "first")
+    assert first["status"] == "complete" and first["init_mode"] == "full_plus"
+    calibration = first["calibration"]
+    assert calibration["pool_tokens"] == 14 * 32 and calibration["held_out_tokens"] == 2 * 32
+    assert sorted(calibration["layers"]) == ["1", "3"]
+    for record in calibration["layers"].values():
+        assert record["cached"] is False
+        assert list(record["phase1"]) == ["sigma"]  # the configured rules only
+        assert record["phase1"]["sigma"] == pytest.approx([0.1] * 4)  # pinned by the recipe's clip
+        assert len(record["phase2"]["losses"]) == 6
+    artifacts = list((Path(cache) / "calibration" / "tiny_llama").glob("*.pt"))
+    assert len(artifacts) == 2
+
+    second = run_full_plus(tmp_path, cache, "second")
+    assert all(r["cached"] is True for r in second["calibration"]["layers"].values())
+    assert second["metrics"] == first["metrics"]  # the reused layers are the computed ones
+
+    changed = run_full_plus(tmp_path, cache, "changed", "init.phase2.lr_projections=1e-3")
+    assert all(r["cached"] is False for r in changed["calibration"]["layers"].values())
+    assert len(list((Path(cache) / "calibration" / "tiny_llama").glob("*.pt"))) == 4
