@@ -118,19 +118,20 @@ def test_selection_keeps_the_lowest_held_out_loss():
 
 
 def test_same_seed_same_layers():
-    """Bit-identical layers from two uncached calibrations with the same seed; another seed differs."""
+    """Bit-identical layers from two uncached calibrations with the same seed, the second with one teacher pass
+    per layer (`layers_per_pass`, which saves memory and must change nothing); another seed differs."""
     teacher = make_teacher("llama", seed=3)
     pool = SimpleNamespace(fit=torch.randint(101, (6, 16), generator=torch.Generator().manual_seed(0)),
                            held_out=torch.randint(101, (2, 16), generator=torch.Generator().manual_seed(1)))
     phase1 = compose("teacher=tiny_llama").calibration.phase1
 
-    def layers(seed):
+    def layers(seed, layers_per_pass=None):
         gdns = {i: naive_gdn(teacher, i) for i in (1, 2)}
         calibrate_on_pool(teacher, gdns, pool, ["value_scale"], phase1, pool_cfg(steps=4), {}, ArtifactStore(None),
-                          seed, block_size=8)
+                          seed, block_size=8, layers_per_pass=layers_per_pass)
         return gdns
 
-    first, again, other = layers(0), layers(0), layers(1)
+    first, again, other = layers(0), layers(0, layers_per_pass=1), layers(1)
     for i in (1, 2):
         for key, value in first[i].state_dict().items():
             assert torch.equal(again[i].state_dict()[key], value), (i, key)

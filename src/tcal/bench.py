@@ -3,7 +3,8 @@
 Groups: `gdn` (GDN CPU path against fla's naive recurrent reference), `student` (student against teacher
 at 50% retention: forward, forward+backward, cache bytes, decode time), `stats` (peak memory of the
 streaming statistics at T=4096 against a plain forward), `phase2` (Phase 2 step against one GDN
-forward+backward), `init` (wall time of the `full` init, uncached). Ratios, not timed tests.
+forward+backward), `init` (wall time and peak memory of the
+`phase2`, `full` and `full_plus` inits, uncached, and their ratios to `full`). Ratios, not timed tests.
 """
 
 from __future__ import annotations
@@ -162,8 +163,21 @@ def bench_phase2_step(teacher, cfg, layer: int = 1, steps: int = 20) -> dict:
                 phase2_step_s=per_step, ratio=per_step / plain, target="ratio <= 1.2")
 
 
-def bench_full_init(cfg) -> dict:
-    """Wall time of `tcal init=full` (conversion + calibration, no cache, no evaluation) on this machine."""
+INIT_MODES_BENCHED = ("phase2", "full", "full_plus")
+
+
+def _reset_peak_rss() -> int:
+    """Reset the process's resident-memory high-water mark (Linux); returns the current RSS in bytes."""
+    from tcal.calibration.stats import _rss_kib
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss_kib("VmRSS") * 1024
+
+
+def measure_init(cfg) -> dict:
+    """Wall time and peak resident memory of one init mode (conversion + calibration, no cache, no evaluation)."""
+    from tcal.calibration.stats import _rss_kib
     from tcal.convert import build_student
     from tcal.init import init_student
     from tcal.pipeline import prepare
@@ -171,12 +185,44 @@ def bench_full_init(cfg) -> dict:
 
     timings: dict = {}
     ctx = prepare(cfg, cfg.paths.output_dir, timings)
+    keep_layers = select_layers(cfg.retention, ctx).keep_layers
+    before = _reset_peak_rss()
     start = time.perf_counter()
-    student = build_student(ctx.teacher, select_layers(cfg.retention, ctx).keep_layers, cfg.init.gqa_expansion)
-    init_student(student, cfg.init, ctx)
+    init_student(build_student(ctx.teacher, keep_layers, cfg.init.gqa_expansion), cfg.init, ctx)
     wall = time.perf_counter() - start
-    return emit("full_init_wall", teacher=cfg.teacher.name, ratio=cfg.retention.get("ratio"),
-                phase2_steps=int(cfg.calibration.phase2.steps), seconds=wall, threads=torch.get_num_threads())
+    peak = _rss_kib("VmHWM") * 1024
+    return {"init": cfg.init.name, "teacher": cfg.teacher.name, "ratio": cfg.retention.get("ratio"), "seconds": wall,
+            "peak_rss_bytes": peak, "peak_increase_bytes": peak - before, "threads": torch.get_num_threads()}
+
+
+def _measure_init_child(cfg, threads: int, queue) -> None:
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+    queue.put(measure_init(cfg))
+
+
+def bench_init(cfg) -> dict:
+    """`measure_init` in a fresh process, so one mode's freed memory does not hide the next one's peak."""
+    import multiprocessing as mp
+
+    spawn = mp.get_context("spawn")
+    queue = spawn.Queue()
+    proc = spawn.Process(target=_measure_init_child, args=(cfg, torch.get_num_threads(), queue))
+    proc.start()
+    figures = queue.get()
+    proc.join()
+    return emit("init_wall", **figures)
+
+
+def bench_init_modes(compose_cfg, modes=INIT_MODES_BENCHED) -> dict:
+    """`bench_init` for each mode, then each mode's time and peak-memory increase over `full`'s
+    (issue 12: full_plus at most 1.5x the time and 2x the memory of full)."""
+    figures = {mode: bench_init(compose_cfg(f"init={mode}")) for mode in modes}
+    base = figures["full"]
+    ratios = {mode: {"time_over_full": f["seconds"] / base["seconds"],
+                     "peak_increase_over_full": f["peak_increase_bytes"] / max(base["peak_increase_bytes"], 1)}
+              for mode, f in figures.items()}
+    return emit("init_ratios", modes=ratios, target="full_plus: time <= 1.5x, memory <= 2x full")
 
 
 def main(argv=None) -> None:
@@ -197,8 +243,11 @@ def main(argv=None) -> None:
         from tcal.retention.uniform import uniform_layers
         from tcal.teachers.load import load_teacher
 
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose("config", overrides=["calibration.cache=false", *args.override])
+        def compose_cfg(*extra):
+            with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+                return compose("config", overrides=["calibration.cache=false", *extra, *args.override])
+
+        cfg = compose_cfg()
         teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
         if "student" in args.groups:
             bench_student(teacher, uniform_layers(teacher.config.num_hidden_layers, 0.5))
@@ -207,7 +256,7 @@ def main(argv=None) -> None:
         if "phase2" in args.groups:
             bench_phase2_step(teacher, cfg.calibration)
         if "init" in args.groups:
-            bench_full_init(cfg)
+            bench_init_modes(compose_cfg)
 
 if __name__ == "__main__":
     main()

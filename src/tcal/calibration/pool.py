@@ -101,10 +101,20 @@ def align_on_pool(gdn: GatedDeltaNet, fit: tuple, held_out: tuple, cfg, generato
             "losses": losses}
 
 
+def layer_groups(layers: list[int], size: int | None) -> list[list[int]]:
+    """`layers` in consecutive groups of `size` (one group when size is None)."""
+    size = len(layers) if not size else int(size)
+    return [layers[start:start + size] for start in range(0, len(layers), size)]
+
+
 def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: CalibrationPool, phase1_rules, phase1_cfg,
-                      phase2_cfg, settings: dict, store: ArtifactStore, seed: int, block_size: int) -> dict[int, dict]:
+                      phase2_cfg, settings: dict, store: ArtifactStore, seed: int, block_size: int,
+                      layers_per_pass: int | None = None) -> dict[int, dict]:
     """Phase 1 rules `phase1_rules` on the fit windows' statistics, then Phase 2 on the pool, per layer (in
-    place); each layer cached under a key of everything it depends on (`settings` must hold every knob)."""
+    place); each layer cached under a key of everything it depends on (`settings` must hold every knob).
+    The teacher-forced tensors of a pool are large (about 0.1 GB per SmolLM2 layer), so with `layers_per_pass`
+    the teacher runs once per group of that many layers and keeps only that group's tensors: more teacher
+    passes, less memory, the same result (a layer's statistics do not depend on which others are recorded)."""
     keys = {i: artifact_key(teacher, i, ["full_plus"], pool.fit, {**settings, "seed": seed}, gdn, pool.held_out)
             for i, gdn in gdns.items()}
     records = load_cached(gdns, keys, store)
@@ -112,19 +122,27 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
     if not todo:
         return dict(sorted(records.items()))
     log.info("full_plus: layers %s on a pool of %d + %d held-out windows", todo, len(pool.fit), len(pool.held_out))
-    fit_stats = collect_teacher_stats(teacher, pool.fit, layers=todo, block_size=block_size)
-    held_stats = collect_teacher_stats(teacher, pool.held_out, layers=todo, block_size=block_size, keep_tensors=True)
     bar = tqdm(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step")
-    for i in todo:
-        gdn = gdns[i]
-        record = {"phase1": apply_phase1(gdn, fit_stats[i], phase1_cfg, rules=tuple(phase1_rules))}
-        record["phase2"] = align_on_pool(gdn, teacher_io(gdn, fit_stats[i]), teacher_io(gdn, held_stats[i]),
-                                         phase2_cfg, layer_generator(seed, i), progress=bar)
-        p2 = record["phase2"]
-        log.info("layer %d full_plus: held-out loss %.4g -> %.4g (step %d), cosine %.3f -> %.3f", i,
-                 p2["held_out_loss_before"], p2["held_out_loss_after"], p2["best_step"],
-                 p2["held_out_cosine_before"], p2["held_out_cosine_after"])
-        store.save(keys[i], gdn.state_dict(), record)
-        records[i] = {**record, "cached": False}
+    for group in layer_groups(todo, layers_per_pass):
+        fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
+        held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
+        for i in group:
+            records[i] = calibrate_layer_on_pool(gdns[i], i, fit_stats.pop(i), held_stats.pop(i), phase1_rules,
+                                                 phase1_cfg, phase2_cfg, seed, bar)
+            store.save(keys[i], gdns[i].state_dict(), records[i])
+            records[i] = {**records[i], "cached": False}
     bar.close()
     return dict(sorted(records.items()))
+
+
+def calibrate_layer_on_pool(gdn: GatedDeltaNet, layer: int, fit_stats, held_stats, phase1_rules, phase1_cfg,
+                            phase2_cfg, seed: int, progress: tqdm | None = None) -> dict:
+    """One layer: the Phase 1 rules on the fit windows' statistics, then Phase 2 on the pool; its record."""
+    record = {"phase1": apply_phase1(gdn, fit_stats, phase1_cfg, rules=tuple(phase1_rules))}
+    record["phase2"] = align_on_pool(gdn, teacher_io(gdn, fit_stats), teacher_io(gdn, held_stats), phase2_cfg,
+                                     layer_generator(seed, layer), progress=progress)
+    p2 = record["phase2"]
+    log.info("layer %d full_plus: held-out loss %.4g -> %.4g (step %d), cosine %.3f -> %.3f", layer,
+             p2["held_out_loss_before"], p2["held_out_loss_after"], p2["best_step"],
+             p2["held_out_cosine_before"], p2["held_out_cosine_after"])
+    return record

@@ -21,8 +21,10 @@ def full_plus(gdns, cfg, ctx) -> dict:
     phase1_cfg = OmegaConf.merge(ctx.cfg.calibration.phase1, cfg.phase1)  # `full`'s knobs, this recipe's overrides
     pool = full_plus_pool(ctx, cfg)
     block_size = int(ctx.cfg.calibration.block_size)
-    settings = {"init": plain(cfg), "phase1": plain(phase1_cfg), "block_size": block_size}
+    recipe = plain(cfg)
+    layers_per_pass = recipe["pool"].pop("layers_per_pass")  # memory only: not part of the artifact key
+    settings = {"init": recipe, "phase1": plain(phase1_cfg), "block_size": block_size}
     records = calibrate_on_pool(ctx.teacher, gdns, pool, cfg.phase1_rules, phase1_cfg, cfg.phase2, settings,
-                                calibration_store(ctx), int(ctx.cfg.seed), block_size)
+                                calibration_store(ctx), int(ctx.cfg.seed), block_size, layers_per_pass)
     return {"phase1_rules": list(cfg.phase1_rules), "pool_tokens": pool.fit.numel(),
             "held_out_tokens": pool.held_out.numel(), "layers": {str(i): r for i, r in records.items()}}
