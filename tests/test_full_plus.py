@@ -14,7 +14,7 @@ from conftest import compose, isolated_cache_dir, make_teacher
 
 from tcal.calibration.align import alignment_metrics
 from tcal.calibration.calibrate import ArtifactStore
-from tcal.calibration.pool import align_on_pool, calibrate_on_pool, minibatches
+from tcal.calibration.pool import align_on_pool, calibrate_on_pool, lr_factor, minibatches
 from tcal.convert import naive_gdn
 from tcal.data import Document, Splits
 from tcal.gdn import GatedDeltaNet
@@ -39,7 +39,7 @@ def numbers(first: int, last: int) -> str:
 
 def pool_cfg(**phase2):
     steps = {"steps": 6, "batch_size": 2, "select_every": 2, "lr_projections": 1e-2, "lr_dynamics": 1e-2,
-             "weight_decay": 0.01, "grad_clip": 1.0, **phase2}
+             "weight_decay": 0.01, "grad_clip": 1.0, "schedule": "constant", **phase2}
     return SimpleNamespace(**steps)
 
 
@@ -76,6 +76,14 @@ def test_minibatches_are_seeded():
     assert torch.equal(draw(1), draw(1))
     assert not torch.equal(draw(1), draw(2))
     assert all(len(set(row.tolist())) == 3 for row in draw(1)[:3])  # within a pass, no window twice
+
+
+def test_cosine_schedule_reaches_zero():
+    factor = lr_factor("cosine", 10)
+    assert [factor(0), factor(5)] == [1.0, pytest.approx(0.5)] and factor(10) == pytest.approx(0.0, abs=1e-12)
+    assert lr_factor("constant", 10)(7) == 1.0
+    with pytest.raises(ValueError, match="constant or cosine"):
+        lr_factor("linear", 10)
 
 
 # ------------------------------------------------------------------ held-out state selection

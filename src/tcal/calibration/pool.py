@@ -10,6 +10,7 @@ does not pay for that.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,16 @@ def minibatches(num_windows: int, batch_size: int, steps: int, generator: torch.
     return order[:need].view(steps, batch_size)
 
 
+def lr_factor(schedule: str, steps: int):
+    """Each group's learning-rate multiplier at a step: `constant`, or `cosine` from 1 down to 0 over the run
+    (large steps while far from the fit, small ones once minibatch noise dominates)."""
+    if schedule == "constant":
+        return lambda step: 1.0
+    if schedule == "cosine":
+        return lambda step: 0.5 * (1.0 + math.cos(math.pi * step / steps))
+    raise ValueError(f"phase2.schedule={schedule!r}; expected constant or cosine")
+
+
 class BestState:
     """The lowest held-out loss offered so far and a copy of the layer's state at that moment."""
 
@@ -74,9 +85,10 @@ def align_on_pool(gdn: GatedDeltaNet, fit: tuple, held_out: tuple, cfg, generato
                   progress: tqdm | None = None) -> dict:
     """Phase 2 on minibatches of `fit` = (inputs [N, T, D], targets): `cfg.steps` AdamW steps of
     `cfg.batch_size` windows. The loss on `held_out` (every `cfg.select_every` steps and after the last one)
-    picks the state that is kept."""
+    picks the state that is kept. `cfg.schedule` shapes the learning rate over the steps."""
     draws = minibatches(fit[0].shape[0], int(cfg.batch_size), int(cfg.steps), generator)
     optimizer, trainable = phase2_optimizer(gdn, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg.schedule, len(draws)))
     best, held_out_curve, losses = BestState(), [], []
 
     def select(step: int) -> None:
@@ -91,6 +103,7 @@ def align_on_pool(gdn: GatedDeltaNet, fit: tuple, held_out: tuple, cfg, generato
             loss = alignment_loss(gdn, fit[0][windows], fit[1][windows])
             losses.append(loss.item())
             optimizer_step(optimizer, trainable, loss, cfg.grad_clip)
+            scheduler.step()
             if progress is not None:
                 progress.update(1)
         select(len(draws))
