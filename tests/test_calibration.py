@@ -350,9 +350,9 @@ def test_align_layer_restores_lowest_loss_state(teacher, tokens, monkeypatch):
                     p.add_(torch.randn_like(p))
 
     snapshots = []
-    real_snapshot = align_module._snapshot
+    real_snapshot = align_module.snapshot
     monkeypatch.setattr(align_module.torch.optim, "AdamW", Sabotaged)
-    monkeypatch.setattr(align_module, "_snapshot", lambda m: snapshots.append(real_snapshot(m)) or snapshots[-1])
+    monkeypatch.setattr(align_module, "snapshot", lambda m: snapshots.append(real_snapshot(m)) or snapshots[-1])
     cfg = calibration_cfg(steps=6, lr_projections=1e-3, lr_dynamics=1e-2).phase2
     record = align_layer(gdn, x, target, cfg)
 

@@ -86,7 +86,7 @@ def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, 
             loss = alignment_loss(gdn, x, target, mask)
             losses.append(loss.item())
             if losses[-1] < best_loss:
-                best_loss, best_state, best_step = losses[-1], _snapshot(gdn), step
+                best_loss, best_state, best_step = losses[-1], snapshot(gdn), step
             optimizer_step(optimizer, trainable, loss, cfg.grad_clip)
             if progress is not None:
                 progress.update(1)
@@ -101,7 +101,7 @@ def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, 
 
 
 @torch.no_grad()
-def _snapshot(module) -> dict:
+def snapshot(module) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 

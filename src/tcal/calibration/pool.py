@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tcal.calibration.align import (
-    _snapshot,
+    snapshot,
     alignment_loss,
     alignment_metrics,
     only_trainable,
@@ -75,7 +75,7 @@ class BestState:
 
     def offer(self, module: torch.nn.Module, loss: float, step: int) -> None:
         if loss < self.loss:
-            self.loss, self.step, self.state = loss, step, _snapshot(module)
+            self.loss, self.step, self.state = loss, step, snapshot(module)
 
     def restore(self, module: torch.nn.Module) -> None:
         module.load_state_dict(self.state)

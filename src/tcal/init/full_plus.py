@@ -22,7 +22,7 @@ def full_plus(gdns, cfg, ctx) -> dict:
     pool = full_plus_pool(ctx, cfg)
     block_size = int(ctx.cfg.calibration.block_size)
     recipe = plain(cfg)
-    layers_per_pass = recipe["pool"].pop("layers_per_pass")  # memory only: not part of the artifact key
+    layers_per_pass = recipe["pool"].pop("layers_per_pass", None)  # memory only: not part of the artifact key
     settings = {"init": recipe, "phase1": plain(phase1_cfg), "block_size": block_size}
     records = calibrate_on_pool(ctx.teacher, gdns, pool, cfg.phase1_rules, phase1_cfg, cfg.phase2, settings,
                                 calibration_store(ctx), int(ctx.cfg.seed), block_size, layers_per_pass)
