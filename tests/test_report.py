@@ -14,7 +14,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _curve(points):
-    return [{"tokens_seen": t, "ppl": {"shakespeare": p}} for t, p in points]
+    return {"shakespeare": [{"tokens": t, "ppl": p} for t, p in points]}
 
 
 def _result(policy, init, student_ppl, curve=None, **extra):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tcal.evaluate.local_tasks import nlu_average
 from tcal.results import write_atomic, write_text_atomic
+from tcal.tracking import finish, log_table, wandb_logger
 
 INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full")
 ABLATION_INITS = ("naive", "zero_gate", "phase1", "phase2", "full")
@@ -124,9 +125,17 @@ def _normalize(path: Path, data: dict) -> Run:
         nlu={role: nlu_average(harness[role]) if harness.get(role) else None for role in ("teacher", "student")},
         ruler={role: _mean(v for by_task in (ruler.get(role) or {}).values() for v in by_task.values())
                for role in ("teacher", "student")},
-        curve=sorted(((int(p["tokens_seen"]), {k: float(v) for k, v in p["ppl"].items()})
-                      for p in data.get("curve") or []), key=lambda point: point[0]),
+        curve=_curve_points(data.get("curve") or {}),
     )
+
+
+def _curve_points(curve: dict) -> list[tuple[int, dict[str, float]]]:
+    """results.json's {eval set: [{"tokens", "ppl"}, ...]} as [(tokens, {eval set: ppl}), ...] by tokens."""
+    by_tokens: dict[int, dict[str, float]] = {}
+    for eval_set, points in curve.items():
+        for point in points:
+            by_tokens.setdefault(int(point["tokens"]), {})[eval_set] = float(point["ppl"])
+    return sorted(by_tokens.items())
 
 
 def _ppl_by_set(metrics: dict, key: str) -> dict[str, float]:
@@ -328,8 +337,8 @@ def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
 
 
 def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calibrated: str = "full",
-                 tracker=None) -> str:
-    """Write every table, CSV and plot into `out_dir`; return the Markdown. A `tcal.tracking` tracker
+                 logger=None) -> str:
+    """Write every table, CSV and plot into `out_dir`; return the Markdown. A Lightning `logger` (W&B)
     also receives each table (W&B tables for a dashboard)."""
     folder, out_dir = Path(folder), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -342,8 +351,7 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
     parts = [f"# tcal report: {folder}\n\n{len(runs)} complete runs, {len(problems)} incomplete.\n"]
     for name, (title, table) in tables.items():
         write_csv(out_dir / f"{name}.csv", table)
-        if tracker is not None:
-            tracker.log_table(name, *table)
+        log_table(logger, name, *table)
         parts.append(f"## {title}\n\n{markdown_table(table)}")
     parts[-1] += "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")  # efficiency notes
     plots = plot_curves(runs, out_dir)
@@ -366,15 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder")
     out = args.out or args.folder / "report"
-    tracker = None
+    logger = None
     if args.wandb_project:
-        from tcal.tracking import WandbTracker
-
-        tracker = WandbTracker({"project": args.wandb_project, "group": "report"}, out, {"folder": str(args.folder)},
-                               f"report-{args.folder.name}")
-    print(build_report(args.folder, out, args.baseline, args.calibrated, tracker))
-    if tracker is not None:
-        tracker.finish()
+        logger = wandb_logger(args.wandb_project, out, f"report-{args.folder.name}", "report",
+                              config={"folder": str(args.folder)})
+    print(build_report(args.folder, out, args.baseline, args.calibrated, logger))
+    finish(logger)
     return 0
 
 

@@ -16,6 +16,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be read by others
         write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:

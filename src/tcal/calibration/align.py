@@ -6,6 +6,8 @@ is pulled towards the teacher attention module's output y_T on the same input.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -89,3 +91,24 @@ def _snapshot(module) -> dict:
 @torch.no_grad()
 def alignment_loss_value(gdn, x, target, mask=None) -> float:
     return alignment_loss(gdn, x, target, mask).item()
+
+
+@contextlib.contextmanager
+def capture_teacher_io(teacher, layers):
+    """Inside the block, each teacher forward fills {layer: (x, y_T)}: the teacher-forced input of `self_attn`
+    (the input_layernorm output) and the attention module's output, for every layer in `layers`."""
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(layer):
+        def keep(module, args, kwargs, output):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            captured[layer] = (hidden.detach(), output[0].detach())
+        return keep
+
+    decoder = teacher.get_decoder().layers
+    handles = [decoder[i].self_attn.register_forward_hook(hook(i), with_kwargs=True) for i in layers]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,206 @@
+"""Running the stages of `cfg.stage` after the init: planning (checked before any work), Lightning Trainers,
+checkpoints and resume, the Stage 1 cache, and the stage records of results.json.
+
+`stage=none` has no stages; `align` and `distill` have one; `align_distill` runs `stage.align` then
+`stage.distill`. Budgets are tokens: a stage runs max_tokens // (batch_size * seq_len * world size) steps and
+evaluates (and checkpoints) every round(eval_every_tokens / tokens per step) steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file, save_file
+
+from tcal.data import eval_sets, token_windows
+from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
+from tcal.results import write_atomic, write_json_atomic
+from tcal.teachers.load import torch_dtype
+from tcal.training.curve import PerplexityCurve
+from tcal.training.data import PackedTextDataModule
+from tcal.training.stages import STAGES
+
+log = logging.getLogger(__name__)
+
+BUDGET_KEYS = ("max_tokens", "eval_every_tokens", "batch_size", "seq_len")
+
+
+def stages_of(node) -> list[tuple[str, object, str]]:
+    """[(kind, settings node, override prefix)] of a `stage` config node, in the order they run."""
+    if node.name == "none":
+        return []
+    if "sequence" in node:
+        return [(kind, node[kind], f"stage.{kind}") for kind in node.sequence]
+    return [(node.kind, node, "stage")]
+
+
+def world_size(trainer_cfg) -> int:
+    devices = trainer_cfg.get("devices", 1)
+    if isinstance(devices, int) and devices > 0:
+        per_node = devices
+    elif isinstance(devices, (list, tuple)) or hasattr(devices, "__len__") and not isinstance(devices, str):
+        per_node = len(devices)
+    else:
+        per_node = max(torch.cuda.device_count(), 1) if trainer_cfg.accelerator == "gpu" else 1
+    return per_node * int(trainer_cfg.get("num_nodes", 1))
+
+
+def validate_stages(cfg) -> None:
+    """Every stage setting checked before the teacher loads; errors name the key, the value and what is allowed."""
+    for kind, node, prefix in stages_of(cfg.stage):
+        if kind not in STAGES:
+            raise ValueError(f"{prefix}.kind={kind!r}; expected one of {sorted(STAGES)}")
+        for key in BUDGET_KEYS:
+            value = node.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{prefix}.{key}={value!r}; expected a positive integer")
+        if node.eval_every_tokens > node.max_tokens:
+            raise ValueError(f"{prefix}.eval_every_tokens={node.eval_every_tokens} is larger than "
+                             f"{prefix}.max_tokens={node.max_tokens}")
+        tokens_per_step = node.batch_size * node.seq_len * world_size(cfg.trainer)
+        if node.max_tokens < tokens_per_step:
+            raise ValueError(f"{prefix}.max_tokens={node.max_tokens} is less than one step of {tokens_per_step} "
+                             f"tokens ({prefix}.batch_size x {prefix}.seq_len x {world_size(cfg.trainer)} devices)")
+        for key in ("lr", "lr_mixer", "lr_rest"):
+            if key in node and not float(node[key]) > 0:
+                raise ValueError(f"{prefix}.{key}={node[key]!r}; expected a learning rate > 0")
+
+
+@dataclass
+class StagePlan:
+    kind: str
+    cfg: object
+    prefix: str
+    data: PackedTextDataModule
+    total_steps: int
+    eval_every_steps: int
+
+
+def plan_stages(ctx) -> list[StagePlan]:
+    """Tokenized, packed training data and step counts for each stage; fails before conversion on bad data or
+    a sequence longer than the teacher's context."""
+    cfg, plans = ctx.cfg, []
+    context = getattr(ctx.teacher.config, "max_position_embeddings", None)
+    world = world_size(cfg.trainer)
+    for kind, node, prefix in stages_of(cfg.stage):
+        if context is not None and node.seq_len > context:
+            raise ValueError(f"{prefix}.seq_len={node.seq_len} is beyond the teacher's context of {context} tokens")
+        tokens_per_step = node.batch_size * node.seq_len * world
+        total_steps = node.max_tokens // tokens_per_step
+        data = PackedTextDataModule(ctx.splits.train, ctx.tokenizer, node.seq_len, node.batch_size, total_steps,
+                                    int(cfg.seed), ctx.cache_dir if node.get("cache_tokens", True) else None)
+        plans.append(StagePlan(kind, node, prefix, data, total_steps,
+                               max(round(node.eval_every_tokens / tokens_per_step), 1)))
+    return plans
+
+
+class Stage1Cache:
+    """Finished Stage 1 students' GDN weights (safetensors) and records (JSON), keyed by everything they depend
+    on, so many Stage 2 runs start from one Stage 1."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+
+    def key(self, ctx, student, plan: StagePlan) -> str:
+        gdn_start = [tensor_bytes(t) for i in student.config.gdn_layers for t in student.gdn(i).state_dict().values()]
+        return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, plain(plan.cfg),
+                      tensor_bytes(plan.data.windows), int(ctx.cfg.seed), world_size(ctx.cfg.trainer))
+
+    def load(self, key: str, student) -> dict | None:
+        if self.folder is None or not (self.folder / key / "record.json").is_file():
+            return None
+        try:
+            state = load_file(self.folder / key / "gdn.safetensors")
+            record = json.loads((self.folder / key / "record.json").read_text())
+            student.load_state_dict(state, strict=False)
+        except Exception as err:  # truncated or foreign: recompute, never trust
+            log.warning("Stage 1 cache entry %s unreadable (%s); training again", key, err)
+            return None
+        return {**record, "cached": True}
+
+    def save(self, key: str, student, record: dict) -> None:
+        if self.folder is None:
+            return
+        prefix = {i: f"model.layers.{i}.self_attn." for i in student.config.gdn_layers}
+        state = {prefix[i] + k: v.detach().cpu().contiguous()
+                 for i in student.config.gdn_layers for k, v in student.gdn(i).state_dict().items()}
+        write_atomic(self.folder / key / "gdn.safetensors", lambda tmp: save_file(state, str(tmp)))
+        write_json_atomic(self.folder / key / "record.json", record)
+
+
+def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Trainer:
+    trainer_cfg = cfg.trainer
+    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints" / plan.kind, every_n_train_steps=plan.eval_every_steps,
+                                 save_top_k=0, save_last=True, enable_version_counter=False)
+    return L.Trainer(
+        accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.get("num_nodes", 1),
+        strategy=trainer_cfg.get("strategy", "auto"), precision=trainer_cfg.precision, max_steps=plan.total_steps,
+        max_epochs=-1, gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
+        callbacks=[*callbacks, checkpoint], default_root_dir=str(run_dir), use_distributed_sampler=False,
+        limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1, enable_model_summary=False,
+        deterministic=trainer_cfg.get("deterministic", False),
+    )
+
+
+@contextlib.contextmanager
+def teacher_in_dtype(teacher, dtype_name: str | None):
+    """The frozen teacher in `dtype_name` (e.g. bfloat16) for the block, back in its own dtype afterwards."""
+    if not dtype_name:
+        yield
+        return
+    own = teacher.dtype
+    teacher.to(torch_dtype(dtype_name))
+    try:
+        yield
+    finally:
+        teacher.to(own)
+
+
+def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool) -> dict:
+    """Train `student` in place for one stage; returns the stage's record (summary and curve)."""
+    cfg = ctx.cfg
+    cache = Stage1Cache(ctx.cache_dir / "stage1" / cfg.teacher.name
+                        if plan.kind == "align" and plan.cfg.get("cache", True) else None)
+    key = cache.key(ctx, student, plan) if cache.folder is not None else None
+    if key is not None and (cached := cache.load(key, student)) is not None:
+        log.info("stage align: reused from the Stage 1 cache (%s)", key)
+        on_curve(cached["curve"])
+        return cached
+    windows = {name: token_windows(docs, ctx.tokenizer, int(cfg.eval.seq_len), int(cfg.eval.num_windows))
+               for name, docs in eval_sets(cfg.data, ctx.splits).items()}
+    tokens_per_step = plan.data.tokens_per_batch * world_size(cfg.trainer)
+    curve = PerplexityCurve(windows, plan.eval_every_steps * tokens_per_step, int(cfg.eval.batch_size), on_curve)
+    module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps)
+    trainer = make_trainer(cfg, plan, ctx.run_dir, logger, [curve, *ctx.extra_callbacks])
+    last = ctx.run_dir / "checkpoints" / plan.kind / "last.ckpt"
+    ckpt_path = str(last) if resume and last.is_file() else None
+    if ckpt_path:
+        log.info("stage %s: resuming from %s", plan.kind, ckpt_path)
+    start = time.perf_counter()
+    with teacher_in_dtype(ctx.teacher, plan.cfg.get("teacher_dtype")):
+        trainer.fit(module, datamodule=plan.data, ckpt_path=ckpt_path)
+    seconds = time.perf_counter() - start
+    student.requires_grad_(False)
+    record = {
+        "kind": plan.kind, "settings": plain(plan.cfg), "steps": int(trainer.global_step),
+        "tokens_seen": module.tokens_seen, "tokens_per_step": tokens_per_step, "world_size": trainer.world_size,
+        "seconds_this_process": round(seconds, 2), "loss_first": module.loss_first, "loss_last": module.loss_last,
+        "rank_weight_digests": module.rank_weight_digests, "curve": curve.curve, "resumed": ckpt_path is not None,
+        "cached": False,
+    }
+    first, final = ({name: points[i]["ppl"] for name, points in curve.curve.items() if points} for i in (0, -1))
+    if trainer.is_global_zero:
+        print(f"stage {plan.kind}: {module.tokens_seen:,} tokens in {trainer.global_step} steps, {seconds:.0f} s "
+              f"in this process; loss {module.loss_first:.4g} -> {module.loss_last:.4g}; "
+              + ", ".join(f"ppl {n} {first[n]:.2f} -> {final[n]:.2f}" for n in final), flush=True)
+        if key is not None:
+            cache.save(key, student, record)
+    return record
