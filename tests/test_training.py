@@ -85,6 +85,25 @@ def test_chunked_kl_is_zero_for_identical_models_and_rejects_bad_input():
                         mask=torch.zeros(2, 5, dtype=torch.long))
 
 
+def test_checkpointed_gdn_mixer_gives_the_same_output_and_gradients():
+    from tcal.gdn import GatedDeltaNet
+
+    torch.manual_seed(0)
+    plain = GatedDeltaNet(32, 2, 16).train()
+    recomputed = GatedDeltaNet(32, 2, 16).train()
+    recomputed.load_state_dict(plain.state_dict())
+    recomputed.checkpoint_training = True
+    x = torch.randn(2, 70, 32)
+    mask = torch.ones(2, 70, dtype=torch.long)
+    mask[1, :5] = 0
+    outs = [m(x, linear_attention_mask=mask)[0] for m in (plain, recomputed)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    for out in outs:
+        out.square().mean().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-8, msg=name)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Data
 
@@ -340,3 +359,17 @@ def test_missing_and_empty_training_data(tmp_path):
     _fails(tmp_path / "b", r"training split has 1 tokens, fewer than one sequence of stage.seq_len=32", *data,
            "stage=distill", *TINY_STAGE, "stage.max_tokens=64", "stage.eval_every_tokens=64", "eval.num_windows=1",
            "calibration.check=false")
+
+
+def test_wandb_logger_offline_gets_the_curve(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = smoke_cfg(isolated_cache_dir(tmp_path / "cache"), "logger=wandb", "stage=distill", *TINY_STAGE,
+                    "stage.max_tokens=128", "stage.eval_every_tokens=64", "save_student=false")
+    run(cfg, tmp_path / "run")
+    (offline,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    history = b"".join(p.read_bytes() for p in offline.glob("*.wandb"))
+    for key in (b"distill/ppl/shakespeare", b"distill/tokens_seen", b"eval/metrics/shakespeare/student_ppl"):
+        assert key in history
+    config = (offline / "files" / "config.yaml").read_text() if (offline / "files" / "config.yaml").exists() else ""
+    assert "zero_gate" in config or b"zero_gate" in history

@@ -47,7 +47,7 @@ def make_logger(cfg, run_dir: Path):
     if name == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
-        return CSVLogger(save_dir=str(run_dir), name="logs", version="")
+        return CSVLogger(save_dir=str(run_dir), name="logs", version="", flush_logs_every_n_steps=1)
     if name == "wandb":
         tags = [cfg.teacher.name, cfg.retention.name, cfg.init.name, cfg.stage.name]
         return wandb_logger(cfg.logger.project, run_dir, "-".join(tags), cfg.logger.get("group"), tags,

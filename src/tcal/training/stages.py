@@ -53,6 +53,21 @@ class StageModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.teacher.to(self.device)
+        self.student.train()  # no dropout in these models; train mode states the intent (and silences Lightning)
+        self.set_checkpointing(bool(self.cfg.get("checkpoint_mixers", False)),
+                               bool(self.cfg.get("activation_checkpointing", False)))
+
+    def teardown(self, stage: str) -> None:
+        self.set_checkpointing(False, False)
+
+    def set_checkpointing(self, mixers: bool, layers: bool) -> None:
+        """Recompute in backward instead of storing: the GDN mixers only, or whole decoder layers."""
+        for i in self.student.config.gdn_layers:
+            self.student.gdn(i).checkpoint_training = mixers
+        if layers:
+            self.student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif self.student.is_gradient_checkpointing:
+            self.student.gradient_checkpointing_disable()
 
     def parameter_groups(self) -> list[dict]:
         raise NotImplementedError
