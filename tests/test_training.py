@@ -373,3 +373,12 @@ def test_wandb_logger_offline_gets_the_curve(tmp_path, monkeypatch):
         assert key in history
     config = (offline / "files" / "config.yaml").read_text() if (offline / "files" / "config.yaml").exists() else ""
     assert "zero_gate" in config or b"zero_gate" in history
+
+
+@pytest.mark.parametrize("data", ["wikitext", "fineweb_edu"])
+def test_hub_datasets_fail_with_a_clear_offline_message(data, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cfg = compose(f"data={data}").data
+    with pytest.raises(ConnectionError, match=rf"data.dataset='{cfg.dataset}' could not be loaded.*data.source=files"):
+        load_splits(cfg)

@@ -7,6 +7,7 @@ used for nothing but evaluation (calibration and retention scoring read the cali
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -60,10 +61,21 @@ def dataset_documents(cfg) -> list[Document]:
     import datasets
 
     kwargs = {"data_files": dict(cfg.data_files)} if cfg.get("data_files") else {}
-    rows = datasets.load_dataset(cfg.dataset, cfg.get("subset"), split=cfg.get("split", "train"), **kwargs)
+    streaming = bool(cfg.get("streaming", False))
+    try:
+        rows = datasets.load_dataset(cfg.dataset, cfg.get("subset"), split=cfg.get("split", "train"),
+                                     streaming=streaming, **kwargs)
+    except (ConnectionError, OSError) as err:
+        raise ConnectionError(
+            f"data.dataset={cfg.dataset!r} could not be loaded: the dataset hub is unreachable or offline here "
+            f"({err}). Download it elsewhere and pass data.dataset=<local folder>, or use local text with "
+            f"data.source=files data.files=[...]") from err
     field = cfg.get("text_field", "text")
-    if cfg.get("max_documents"):
-        rows = rows.select(range(min(int(cfg.max_documents), len(rows))))
+    limit = int(cfg.max_documents) if cfg.get("max_documents") else None
+    if streaming:
+        rows = itertools.islice(rows, limit)
+    elif limit is not None:
+        rows = rows.select(range(min(limit, len(rows))))
     return [Document(f"{cfg.dataset}:{i}", row[field]) for i, row in enumerate(rows) if row[field].strip()]
 
 
