@@ -382,3 +382,36 @@ def test_hub_datasets_fail_with_a_clear_offline_message(data, monkeypatch):
     cfg = compose(f"data={data}").data
     with pytest.raises(ConnectionError, match=rf"data.dataset='{cfg.dataset}' could not be loaded.*data.source=files"):
         load_splits(cfg)
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_from_the_command_line(tmp_path):
+    """A real kill (SIGKILL of the `tcal` process after its first checkpoint), then `tcal resume=RUN_DIR`."""
+    import signal
+    import time
+
+    cache = isolated_cache_dir(tmp_path / "cache")
+    overrides = ["experiment=smoke", f"paths.cache_dir={cache}", "init=zero_gate", "eval.num_windows=2", "stage=distill",
+                 *TINY_STAGE, "stage.max_tokens=1280", "stage.eval_every_tokens=128"]
+    straight = run(compose(*overrides), tmp_path / "straight")
+    run_dir = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cwd = Path(CONF_DIR).parent
+    proc = subprocess.Popen([sys.executable, "-m", "tcal.app", *overrides, f"hydra.run.dir={run_dir}"], cwd=cwd,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = run_dir / "checkpoints" / "distill" / "last.ckpt"
+    deadline = time.time() + 300
+    while not checkpoint.is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.is_file() and read_results(run_dir)["status"] != "complete"
+    done = subprocess.run([sys.executable, "-m", "tcal.app", f"resume={run_dir}",
+                           f"hydra.run.dir={tmp_path / 'resume_log'}"], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = read_results(run_dir)
+    assert resumed["status"] == "complete" and resumed["stages"]["distill"]["resumed"]
+    assert resumed["curve"] == straight["curve"]
+    a, b = (load_file(d / "student" / "model.safetensors") for d in (tmp_path / "straight", run_dir))
+    assert all(torch.equal(a[k], b[k]) for k in a)
