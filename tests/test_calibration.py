@@ -456,7 +456,7 @@ def test_artifact_cache_reuses_layers(teacher, tokens, tmp_path, monkeypatch):
     first = {i: naive_gdn(teacher, i) for i in (1, 2)}
     computed = calibrate_layers(teacher, first, tokens, cfg, ("phase1", "phase2"), store)
     assert all(r["cached"] is False for r in computed.values())
-    assert len(list((tmp_path / "artifacts").glob("*.pt"))) == 2
+    assert len(list((tmp_path / "artifacts").glob("*.safetensors"))) == 2
 
     def no_teacher(*args, **kwargs):
         raise AssertionError("the teacher ran although every layer is cached")

@@ -28,7 +28,8 @@ from tcal.results import write_json_atomic
 from tcal.retention import select_layers
 from tcal.teachers.load import load_teacher
 from tcal.tracking import finish, log_figures, make_logger
-from tcal.training.run import plan_stages, run_stage, validate_stages
+from tcal.training.run import plan_stages, run_stage
+from tcal.validate import validate_config, validate_loaded
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,10 @@ def is_rank_zero() -> bool:
 def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None = None) -> dict:
     """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint."""
     run_dir = Path(run_dir)
-    validate_stages(cfg)
+    validate_config(cfg)
     timings: dict[str, float] = {}
     ctx = prepare(cfg, run_dir, timings)
+    validate_loaded(ctx)
     ctx.extra_callbacks = list(callbacks or [])
     with timed(timings, "load_training_data"):
         plans = plan_stages(ctx)

@@ -18,12 +18,11 @@ from typing import Callable
 
 import lightning as L
 import torch
-from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from tcal.cache_entry import load_tensors, save_tensors
 from tcal.data import Document, token_stream
 from tcal.fingerprint import digest
-from tcal.results import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +37,11 @@ def cached_token_stream(docs: list[Document], tokenizer, cache_dir: Path | None)
         return token_stream(docs, tokenizer)
     key = digest(tokenizer_digest(tokenizer), [(d.name, d.text) for d in docs])
     path = Path(cache_dir) / "tokens" / f"{key}.safetensors"
-    if path.is_file():
-        try:
-            return load_file(path)["tokens"]
-        except Exception as err:  # a truncated or foreign file is rebuilt, never trusted
-            log.warning("token cache %s unreadable (%s); tokenizing again", path, err)
+    cached = load_tensors(path, "token cache")
+    if cached is not None:
+        return cached[0]["tokens"]
     stream = token_stream(docs, tokenizer)
-    write_atomic(path, lambda tmp: save_file({"tokens": stream.contiguous()}, str(tmp)))
+    save_tensors(path, {"tokens": stream}, {"documents": len(docs)})
     return stream
 
 

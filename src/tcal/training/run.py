@@ -9,7 +9,6 @@ evaluates (and checkpoints) every round(eval_every_tokens / tokens per step) ste
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -18,11 +17,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from safetensors.torch import load_file, save_file
 
+from tcal.cache_entry import load_tensors, save_tensors
 from tcal.data import eval_sets, token_windows
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
-from tcal.results import write_atomic, write_json_atomic
 from tcal.teachers.load import torch_dtype
 from tcal.training.curve import PerplexityCurve
 from tcal.training.data import PackedTextDataModule
@@ -53,27 +51,6 @@ def world_size(trainer_cfg) -> int:
     return per_node * int(trainer_cfg.get("num_nodes", 1))
 
 
-def validate_stages(cfg) -> None:
-    """Every stage setting checked before the teacher loads; errors name the key, the value and what is allowed."""
-    for kind, node, prefix in stages_of(cfg.stage):
-        if kind not in STAGES:
-            raise ValueError(f"{prefix}.kind={kind!r}; expected one of {sorted(STAGES)}")
-        for key in BUDGET_KEYS:
-            value = node.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{prefix}.{key}={value!r}; expected a positive integer")
-        if node.eval_every_tokens > node.max_tokens:
-            raise ValueError(f"{prefix}.eval_every_tokens={node.eval_every_tokens} is larger than "
-                             f"{prefix}.max_tokens={node.max_tokens}")
-        tokens_per_step = node.batch_size * node.seq_len * world_size(cfg.trainer)
-        if node.max_tokens < tokens_per_step:
-            raise ValueError(f"{prefix}.max_tokens={node.max_tokens} is less than one step of {tokens_per_step} "
-                             f"tokens ({prefix}.batch_size x {prefix}.seq_len x {world_size(cfg.trainer)} devices)")
-        for key in ("lr", "lr_mixer", "lr_rest"):
-            if key in node and not float(node[key]) > 0:
-                raise ValueError(f"{prefix}.{key}={node[key]!r}; expected a learning rate > 0")
-
-
 @dataclass
 class StagePlan:
     kind: str
@@ -85,14 +62,11 @@ class StagePlan:
 
 
 def plan_stages(ctx) -> list[StagePlan]:
-    """Tokenized, packed training data and step counts for each stage; fails before conversion on bad data or
-    a sequence longer than the teacher's context."""
+    """Tokenized, packed training data and step counts for each stage (settings checked by `tcal.validate`);
+    fails before conversion when the training split is shorter than one sequence."""
     cfg, plans = ctx.cfg, []
-    context = getattr(ctx.teacher.config, "max_position_embeddings", None)
     world = world_size(cfg.trainer)
     for kind, node, prefix in stages_of(cfg.stage):
-        if context is not None and node.seq_len > context:
-            raise ValueError(f"{prefix}.seq_len={node.seq_len} is beyond the teacher's context of {context} tokens")
         tokens_per_step = node.batch_size * node.seq_len * world
         total_steps = node.max_tokens // tokens_per_step
         data = PackedTextDataModule(ctx.splits.train, ctx.tokenizer, node.seq_len, node.batch_size, total_steps,
@@ -103,8 +77,8 @@ def plan_stages(ctx) -> list[StagePlan]:
 
 
 class Stage1Cache:
-    """Finished Stage 1 students' GDN weights (safetensors) and records (JSON), keyed by everything they depend
-    on, so many Stage 2 runs start from one Stage 1."""
+    """Finished Stage 1 students' GDN weights and records (one safetensors file each, `tcal.cache_entry`), keyed
+    by everything they depend on, so many Stage 2 runs start from one Stage 1."""
 
     def __init__(self, folder: Path | None):
         self.folder = folder
@@ -114,26 +88,31 @@ class Stage1Cache:
         return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, plain(plan.cfg),
                       tensor_bytes(plan.data.windows), int(ctx.cfg.seed), world_size(ctx.cfg.trainer))
 
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}.safetensors"
+
     def load(self, key: str, student) -> dict | None:
-        if self.folder is None or not (self.folder / key / "record.json").is_file():
+        entry = None if self.folder is None else load_tensors(self.path(key), "Stage 1 cache entry")
+        if entry is None:
             return None
-        try:
-            state = load_file(self.folder / key / "gdn.safetensors")
-            record = json.loads((self.folder / key / "record.json").read_text())
-            student.load_state_dict(state, strict=False)
-        except Exception as err:  # truncated or foreign: recompute, never trust
-            log.warning("Stage 1 cache entry %s unreadable (%s); training again", key, err)
+        state, record = entry
+        own = self.gdn_state(student)
+        fits = state.keys() == own.keys() and all(state[k].shape == v.shape for k, v in own.items())
+        if not fits or not isinstance(record, dict) or "curve" not in record:
+            log.warning("Stage 1 cache entry %s does not fit this student (foreign file); training again", key)
             return None
+        student.load_state_dict(state, strict=False)
         return {**record, "cached": True}
 
+    @staticmethod
+    def gdn_state(student) -> dict:
+        """The GDN layers' parameters under their names in the student's state dict."""
+        return {f"model.layers.{i}.self_attn.{k}": v for i in student.config.gdn_layers
+                for k, v in student.gdn(i).state_dict().items()}
+
     def save(self, key: str, student, record: dict) -> None:
-        if self.folder is None:
-            return
-        prefix = {i: f"model.layers.{i}.self_attn." for i in student.config.gdn_layers}
-        state = {prefix[i] + k: v.detach().cpu().contiguous()
-                 for i in student.config.gdn_layers for k, v in student.gdn(i).state_dict().items()}
-        write_atomic(self.folder / key / "gdn.safetensors", lambda tmp: save_file(state, str(tmp)))
-        write_json_atomic(self.folder / key / "record.json", record)
+        if self.folder is not None:
+            save_tensors(self.path(key), self.gdn_state(student), record)
 
 
 def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Trainer:
