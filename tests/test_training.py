@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from tcal.app import CONF_DIR, resumed_config
 from tcal.convert import build_student
 from tcal.data import Document, load_splits, token_stream
+from tcal.errors import ConfigError
 from tcal.pipeline import prepare, run
 from tcal.training import data as data_module
 from tcal.training.data import PackedTextDataModule, StepSampler, cached_token_stream, pack
@@ -347,16 +348,16 @@ def test_unknown_stage_is_named(tmp_path):
 
 def test_missing_and_empty_training_data(tmp_path):
     missing = tmp_path / "nope.txt"
-    _fails(tmp_path / "a", r"data file not found: .*nope.txt", "data.source=files", f"data.files=[{missing}]",
-           "stage=distill", exc=FileNotFoundError)
+    _fails(tmp_path / "a", r"data.files: '.*nope.txt' does not exist", "data.source=files", f"data.files=[{missing}]",
+           "stage=distill", exc=ConfigError)
     paths = [tmp_path / f"doc{i}.txt" for i in range(3)]
     for path in paths:
         path.write_text("Words and more words. " * 200)
     data = ("data.source=files", f"data.files=[{','.join(map(str, paths))}]", "data.calibration_docs=1",
             "data.evaluation_docs=1")
     (train_doc,) = load_splits(compose(*data).data).train
-    (tmp_path / f"{train_doc.name}.txt").write_text("")
-    _fails(tmp_path / "b", r"training split has 1 tokens, fewer than one sequence of stage.seq_len=32", *data,
+    (tmp_path / f"{train_doc.name}.txt").write_text("Hi.")  # shorter than one sequence (empty files: test_bad_data)
+    _fails(tmp_path / "b", r"training split has \d tokens, fewer than one sequence of stage.seq_len=32", *data,
            "stage=distill", *TINY_STAGE, "stage.max_tokens=64", "stage.eval_every_tokens=64", "eval.num_windows=1",
            "calibration.check=false")
 

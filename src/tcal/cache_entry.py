@@ -3,7 +3,9 @@ token streams, Stage 1 results).
 
 An entry is one file, written whole (a temporary file renamed over it, `tcal.results.write_atomic`), so
 parallel jobs racing on one key each leave a whole file and the last rename wins; the keys are digests of
-everything an entry depends on, so racing writers write the same content. Reading is forgiving: a missing
+everything an entry depends on, so racing writers write the same content. `get_or_build` also holds a lock
+file per key while it builds, so the jobs of a sweep that need one entry build it once and the others wait
+and read it. Reading is forgiving: a missing
 entry is a miss, and an entry that fails to load (truncated, foreign, from an older layout) is a miss with a
 warning. It is then rebuilt and rewritten, never trusted and never a crash.
 
@@ -13,6 +15,7 @@ Tensors and their record share one safetensors file (the record as JSON in its m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -71,3 +74,39 @@ def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
 def load_tensors(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], Any] | None:
     """(tensors, record) of an entry written by `save_tensors`, or None (missing or unreadable)."""
     return read_entry(path, _load_tensors, what)
+
+
+@contextlib.contextmanager
+def key_lock(path: str | Path):
+    """An exclusive lock on `<folder>.locks/<entry>.lock`, beside the entries' folder so listings of entries
+    stay entries only (POSIX flock; released when the holder exits, even when killed)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): racing writers still leave one whole file
+        yield
+        return
+    path = Path(path)
+    lock = path.parent.with_name(path.parent.name + ".locks") / (path.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def get_or_build(path: str | Path, read: Callable[[Path], Any | None], build: Callable[[], Any],
+                 write: Callable[[Path, Any], None]) -> Any:
+    """The entry at `path` (`read` returns None for a miss), or `build()` written there, built once across
+    processes: under the key's lock the entry is read again before building."""
+    path = Path(path)
+    value = read(path)
+    if value is not None:
+        return value
+    with key_lock(path):
+        value = read(path)
+        if value is None:
+            value = build()
+            write(path, value)
+    return value

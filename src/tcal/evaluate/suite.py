@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from tcal.cache_entry import read_json, write_json
+from tcal.cache_entry import get_or_build, read_json, write_json
 from tcal.data import Document, eval_sets, token_windows
 from tcal.evaluate.perplexity import perplexity
 from tcal.fingerprint import digest, plain, teacher_fingerprint
@@ -25,11 +25,8 @@ def cached_teacher(ctx, kind: str, settings, compute):
     tokenizer = digest(type(ctx.tokenizer).__name__, ctx.tokenizer.get_vocab())
     key = digest(teacher_fingerprint(ctx.teacher), tokenizer, kind, settings)
     path = ctx.cache_dir / "teacher_eval" / f"{kind}-{key}.json"
-    value = read_json(path, "teacher figure cache", lambda record: record["value"])
-    if value is None:
-        value = compute()
-        write_json(path, {"kind": kind, "settings": settings, "value": value})
-    return value
+    return get_or_build(path, lambda p: read_json(p, "teacher figure cache", lambda record: record["value"]),
+                        compute, lambda p, value: write_json(p, {"kind": kind, "settings": settings, "value": value}))
 
 
 def perplexities(ctx, student) -> dict:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from tcal.cache_entry import read_json, write_json
+from tcal.cache_entry import get_or_build, read_json, write_json
 from tcal.data import token_stream, token_windows
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 
@@ -90,13 +90,21 @@ def cached_scores(cfg, ctx, score: Callable[[], dict[int, float]], extra: dict |
     """Per-layer scores from the cache, or from `score()` (then saved)."""
     key, parts = selection_key(cfg, ctx, extra)
     cache = score_cache(cfg, ctx)
-    scores = cache.load(cfg.name, key)
-    if scores is not None:
-        log.info("retention %s: scores read from %s", cfg.name, cache.path(cfg.name, key))
+
+    def compute() -> dict[int, float]:
+        return {int(i): finite_or_inf(s) for i, s in score().items()}
+
+    if cache.folder is None:
+        return compute()
+
+    def read(path: Path) -> dict[int, float] | None:
+        scores = cache.load(cfg.name, key)
+        if scores is not None:
+            log.info("retention %s: scores read from %s", cfg.name, path)
         return scores
-    scores = {int(i): finite_or_inf(s) for i, s in score().items()}
-    cache.save(cfg.name, key, parts, scores)
-    return scores
+
+    return get_or_build(cache.path(cfg.name, key), read, compute,
+                        lambda path, scores: cache.save(cfg.name, key, parts, scores))
 
 
 def finite_or_inf(value: float) -> float:

@@ -20,7 +20,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from tcal.cache_entry import load_tensors, save_tensors
+from tcal.cache_entry import get_or_build, load_tensors, save_tensors
 from tcal.data import Document, token_stream
 from tcal.fingerprint import digest
 
@@ -37,12 +37,13 @@ def cached_token_stream(docs: list[Document], tokenizer, cache_dir: Path | None)
         return token_stream(docs, tokenizer)
     key = digest(tokenizer_digest(tokenizer), [(d.name, d.text) for d in docs])
     path = Path(cache_dir) / "tokens" / f"{key}.safetensors"
-    cached = load_tensors(path, "token cache")
-    if cached is not None:
-        return cached[0]["tokens"]
-    stream = token_stream(docs, tokenizer)
-    save_tensors(path, {"tokens": stream}, {"documents": len(docs)})
-    return stream
+
+    def read(p: Path) -> torch.Tensor | None:
+        entry = load_tensors(p, "token cache")
+        return None if entry is None else entry[0]["tokens"]
+
+    return get_or_build(path, read, lambda: token_stream(docs, tokenizer),
+                        lambda p, stream: save_tensors(p, {"tokens": stream}, {"documents": len(docs)}))
 
 
 def pack(stream: torch.Tensor, seq_len: int, source: str = "training split") -> torch.Tensor:
