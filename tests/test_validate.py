@@ -69,6 +69,8 @@ CASES = [
                                             r"data.eval_files entry '.*/short.txt' has \d+"),
     (["data.eval_files=[{tmp}/shakespeare.txt]"], r"eval set name 'shakespeare' is used twice"),
     (["data.calibration_docs=0"], r"data.calibration_docs=0; expected a positive integer"),
+    (["data=wikitext"], r"data.dataset='Salesforce/wikitext' could not be loaded: .* \(offline, and not in the "
+                        r"datasets cache"),
 ]
 
 
@@ -79,6 +81,8 @@ def offline_and_no_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
     (tmp_path / "not_a_model").mkdir()
     (tmp_path / "short.txt").write_text("Too short to hold four windows.")
     (tmp_path / "shakespeare.txt").write_text("An eval file named like the held-out split. " * 50)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tcal.errors import ConfigError, DataError
+from tcal.errors import ConfigError, DataError, HubUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,32 @@ def jsonl_documents(path: Path, text: str) -> list[Document]:
     return docs
 
 
+def offline_message(cfg, cause: str) -> str:
+    return (f"data.dataset={cfg.dataset!r} could not be loaded: the dataset hub is unreachable or offline here "
+            f"({cause}). Download it elsewhere and pass data.dataset=<local folder>, or use local text with "
+            f"data.source=files data.files=[...]")
+
+
+def check_dataset_reachable(cfg) -> None:
+    """Offline, a hub dataset (`org/name`) that is neither a local folder nor in the datasets cache fails at
+    once, before `datasets` spends its retries on it."""
+    import os
+
+    flags = [os.environ.get(name, "0").lower() for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")]
+    offline = any(flag not in ("0", "", "false", "no") for flag in flags)
+    name = str(cfg.dataset)
+    if not offline or "/" not in name or Path(name).expanduser().exists():
+        return
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    cache = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser()
+    if not (cache / name.replace("/", "___")).is_dir():
+        raise HubUnavailable(offline_message(cfg, f"offline, and not in the datasets cache {cache}"))
+
+
 def dataset_documents(cfg) -> list[Document]:
     """Rows of a `datasets` dataset (`data.dataset`, `data.subset`, `data.split`, text in `data.text_field`);
     hub datasets need a reachable hub, local builders (`text`, `json` with `data.data_files`) work offline."""
+    check_dataset_reachable(cfg)
     import datasets
 
     kwargs = {"data_files": dict(cfg.data_files)} if cfg.get("data_files") else {}
@@ -109,10 +132,7 @@ def dataset_documents(cfg) -> list[Document]:
         rows = datasets.load_dataset(cfg.dataset, cfg.get("subset"), split=cfg.get("split", "train"),
                                      streaming=streaming, **kwargs)
     except (ConnectionError, OSError) as err:
-        raise ConnectionError(
-            f"data.dataset={cfg.dataset!r} could not be loaded: the dataset hub is unreachable or offline here "
-            f"({err}). Download it elsewhere and pass data.dataset=<local folder>, or use local text with "
-            f"data.source=files data.files=[...]") from err
+        raise HubUnavailable(offline_message(cfg, str(err))) from err
     field = cfg.get("text_field", "text")
     limit = int(cfg.max_documents) if cfg.get("max_documents") else None
     if streaming:

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class DataError(ConfigError):
     """Text the run cannot read (empty, not UTF-8, a bad jsonl line); names the file and the line."""
+
+
+class HubUnavailable(ConnectionError, ConfigError):
+    """A hub resource the run cannot reach (offline, not cached); both a connection and a configuration error."""

@@ -9,8 +9,6 @@ is zero-shot. Under DDP every rank runs the same steps; only rank 0 writes, eval
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,7 +22,7 @@ from tcal.data import Splits, load_splits
 from tcal.evaluate.suite import evaluate, format_table
 from tcal.gdn import kernel_path
 from tcal.init import init_student
-from tcal.results import write_json_atomic
+from tcal.results import write_folder_atomic, write_json_atomic
 from tcal.retention import select_layers
 from tcal.teachers.load import load_teacher
 from tcal.tracking import finish, log_figures, make_logger
@@ -74,13 +72,11 @@ def prepare(cfg, run_dir: Path, timings: dict) -> RunContext:
 
 def save_student(student, tokenizer, folder: Path) -> None:
     """save_pretrained into a temporary folder, then rename: a checkpoint is whole or absent."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    student.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    def write(tmp: Path) -> None:
+        student.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    write_folder_atomic(folder, write)
 
 
 def is_rank_zero() -> bool:

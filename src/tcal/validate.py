@@ -19,7 +19,7 @@ from omegaconf import ListConfig, OmegaConf
 
 from tcal.calibration.calibrate import PHASES
 from tcal.convert import GQA_EXPANSIONS, validate_keep_layers
-from tcal.data import SOURCES, token_stream
+from tcal.data import SOURCES, check_dataset_reachable, token_stream
 from tcal.errors import ConfigError
 from tcal.init import INIT_MODES
 from tcal.retention import POLICIES, num_kept
@@ -136,6 +136,8 @@ def check_data(cfg) -> None:
     one_of("data.source", data.source, sorted(SOURCES))
     for key in ("calibration_docs", "evaluation_docs"):
         positive_int(f"data.{key}", data[key])
+    if data.source == "datasets":
+        check_dataset_reachable(data)
     if data.source == "files":
         if not data.get("files"):
             raise ConfigError("data.files=[]; data.source=files needs at least one .txt or .jsonl file")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from tcal.results import write_folder_atomic
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
@@ -86,13 +86,12 @@ def _gguf_cached(cfg, cache_dir: Path, dtype: torch.dtype) -> Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
     plain.load_state_dict(quantized.state_dict())
-    tmp = folder.with_name(folder.name + ".tmp")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
-    return folder
+
+    def write(tmp: Path) -> None:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return write_folder_atomic(folder, write, replace=False)  # a parallel job may have converted it first
 
 
 def trust_remote_code(cfg) -> bool:
