@@ -53,8 +53,15 @@ def world_size(trainer_cfg) -> int:
     return per_node * int(trainer_cfg.get("num_nodes", 1))
 
 
+def check_accelerator(trainer_cfg) -> None:
+    if trainer_cfg.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"trainer.accelerator={trainer_cfg.accelerator!r} (strategy {trainer_cfg.strategy!r}): no GPU is "
+                         f"visible on this machine (torch.cuda.is_available() is False); use trainer=cpu or trainer=ddp")
+
+
 def validate_stages(cfg) -> None:
     """Every stage setting checked before the teacher loads; errors name the key, the value and what is allowed."""
+    check_accelerator(cfg.trainer)
     for kind, node, prefix in stages_of(cfg.stage):
         if kind not in STAGES:
             raise ValueError(f"{prefix}.kind={kind!r}; expected one of {sorted(STAGES)}")
@@ -142,7 +149,7 @@ def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Tr
                                  save_top_k=0, save_last=True, enable_version_counter=False)
     return L.Trainer(
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.get("num_nodes", 1),
-        strategy=trainer_cfg.get("strategy", "auto"), precision=trainer_cfg.precision, max_steps=plan.total_steps,
+        strategy=(trainer_cfg.get("stage_strategy") or {}).get(plan.kind, trainer_cfg.strategy), precision=trainer_cfg.precision, max_steps=plan.total_steps,
         max_epochs=-1, gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
         callbacks=[*callbacks, checkpoint], default_root_dir=str(run_dir), use_distributed_sampler=False,
         limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1, enable_model_summary=False,
