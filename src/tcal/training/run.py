@@ -118,8 +118,14 @@ class Stage1Cache:
 
     def key(self, ctx, student, plan: StagePlan) -> str:
         gdn_start = [tensor_bytes(t) for i in student.config.gdn_layers for t in student.gdn(i).state_dict().values()]
-        return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, plain(plan.cfg),
+        return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, self.settings(plan.cfg),
                       tensor_bytes(plan.data.windows), int(ctx.cfg.seed), world_size(ctx.cfg.trainer))
+
+    @staticmethod
+    def settings(cfg) -> dict:
+        """The Stage 1 settings that shape its result: `stage=align` and the align part of `stage=align_distill`
+        share entries (nested nodes a sweep adds to one of them, `cache` and `name` do not count)."""
+        return {k: v for k, v in plain(cfg).items() if not isinstance(v, dict) and k not in ("cache", "name")}
 
     def load(self, key: str, student) -> dict | None:
         if self.folder is None or not (self.folder / key / "record.json").is_file():
