@@ -153,6 +153,7 @@ def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Tr
     trainer_cfg = cfg.trainer
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints" / plan.kind, every_n_train_steps=plan.eval_every_steps,
                                  save_top_k=0, save_last=True, enable_version_counter=False)
+    # max_epochs=-1: the sampler ends the data at max_steps; with max_epochs=1 a resumed run stops early (tested)
     return L.Trainer(
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.get("num_nodes", 1),
         strategy=(trainer_cfg.get("stage_strategy") or {}).get(plan.kind, trainer_cfg.strategy), precision=trainer_cfg.precision, max_steps=plan.total_steps,
