@@ -303,7 +303,7 @@ def test_ddp_two_processes_count_both_ranks_and_end_identical(tmp_path):
     run_dir = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "tcal.app", "experiment=smoke", f"paths.cache_dir={cache}", "init=zero_gate",
            "eval.num_windows=2", "stage=distill", *TINY_STAGE, "stage.max_tokens=384", "stage.eval_every_tokens=128",
-           "trainer.devices=2", "trainer.strategy=ddp", f"hydra.run.dir={run_dir}", "save_student=false"]
+           "trainer=ddp", f"hydra.run.dir={run_dir}", "save_student=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -416,3 +416,9 @@ def test_sigkill_and_resume_from_the_command_line(tmp_path):
     assert resumed["curve"] == straight["curve"]
     a, b = (load_file(d / "student" / "model.safetensors") for d in (tmp_path / "straight", run_dir))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("trainer", ["gpu", "fsdp", "deepspeed"])
+def test_gpu_trainers_fail_before_any_work_without_a_gpu(tmp_path, trainer):
+    _fails(tmp_path, rf"trainer.accelerator='gpu' .*no GPU is visible", f"trainer={trainer}", "stage=distill")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -216,20 +217,33 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def _stage_setup(teacher, kind: str, keep_layers, batch: int, seq_len: int, steps: int):
+def stage_config(kind: str, overrides=()):
+    """conf/stage/<kind>.yaml with the `stage.*` entries of `overrides` applied."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
     from tcal.app import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=[f"stage={kind}", *(o for o in overrides if o.startswith("stage."))])
+    GlobalHydra.instance().clear()
+    return cfg.stage
+
+
+def _stage_setup(teacher, kind: str, keep_layers, batch: int, seq_len: int, steps: int, overrides=()):
     from tcal.convert import build_student
 
-    cfg = OmegaConf.load(f"{CONF_DIR}/stage/{kind}.yaml")
+    cfg = stage_config(kind, overrides)
     student = build_student(teacher, keep_layers)
     gen = torch.Generator().manual_seed(0)
     batches = torch.randint(0, teacher.config.vocab_size, (steps * batch, seq_len), generator=gen)
     return cfg, student, batches
 
 
-def bench_stage2(teacher, keep_layers, batch=4, seq_len=512, steps=3, plain=False) -> dict:
+def bench_stage2(teacher, keep_layers, batch=4, seq_len=512, steps=3, plain=False, overrides=()) -> dict:
     """A Stage 2 step against (teacher forward + student forward+backward) on the same batch, and peak RSS."""
-    cfg, student, batches = _stage_setup(teacher, "distill", keep_layers, batch, seq_len, steps)
+    cfg, student, batches = _stage_setup(teacher, "distill", keep_layers, batch, seq_len, steps, overrides)
     module = (PlainDistill if plain else DistillStage)(student, teacher, cfg, steps)
     step = _fit_step_time(module, batches, batch)
     rss = peak_rss_gb()
@@ -247,7 +261,9 @@ def bench_stage2(teacher, keep_layers, batch=4, seq_len=512, steps=3, plain=Fals
     return emit("stage2_plain_step" if plain else "stage2_step", shape=f"{batch}x{seq_len}", step_s=step,
                 teacher_forward_s=teacher_fwd, student_forward_backward_s=fwd_bwd,
                 ratio=step / (teacher_fwd + fwd_bwd), tokens_per_s=tokens / step, peak_rss_gb=rss,
-                threads=torch.get_num_threads(), target="ratio <= 1.15, peak_rss_gb <= 4")
+                threads=torch.get_num_threads(), checkpoint_mixers=cfg.checkpoint_mixers,
+                activation_checkpointing=cfg.activation_checkpointing, kl_chunk_size=cfg.kl_chunk_size,
+                target="ratio <= 1.15, peak_rss_gb <= 4")
 
 
 class PlainDistill(DistillStage):
@@ -260,11 +276,11 @@ class PlainDistill(DistillStage):
         return (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean(), {}
 
 
-def bench_stage1(teacher, keep_layers, batch=4, seq_len=512, steps=3) -> dict:
+def bench_stage1(teacher, keep_layers, batch=4, seq_len=512, steps=3, overrides=()) -> dict:
     """A Stage 1 step against (teacher forward + every GDN layer's forward+backward) on the same batch."""
     from tcal.calibration.align import alignment_loss, capture_teacher_io
 
-    cfg, student, batches = _stage_setup(teacher, "align", keep_layers, batch, seq_len, steps)
+    cfg, student, batches = _stage_setup(teacher, "align", keep_layers, batch, seq_len, steps, overrides)
     module = AlignStage(student, teacher, cfg, steps)
     step = _fit_step_time(module, batches, batch)
     ids, layers = batches[:batch], student.config.gdn_layers
@@ -301,7 +317,8 @@ def main(argv=None) -> None:
         from tcal.teachers.load import load_teacher
 
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose("config", overrides=["calibration.cache=false", *args.override])
+            cfg = compose("config", overrides=["calibration.cache=false",
+                                               *(o for o in args.override if not o.startswith("stage."))])
         teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
         if "student" in args.groups:
             bench_student(teacher, uniform_layers(teacher.config.num_hidden_layers, 0.5))
@@ -312,10 +329,10 @@ def main(argv=None) -> None:
         if "init" in args.groups:
             bench_full_init(cfg)
         keep = uniform_layers(teacher.config.num_hidden_layers, 0.5)
-        for group, bench in (("stage2", bench_stage2), ("stage2_plain", lambda t, k: bench_stage2(t, k, plain=True)),
+        for group, bench in (("stage2", bench_stage2), ("stage2_plain", partial(bench_stage2, plain=True)),
                              ("stage1", bench_stage1)):
             if group in args.groups:
-                bench(teacher, keep)
+                bench(teacher, keep, overrides=args.override)
 
 if __name__ == "__main__":
     main()

@@ -109,6 +109,7 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
         "retention_scores": {str(k): v for k, v in selection.scores.items()},
         "init_mode": cfg.init.name,
         "gqa_expansion": cfg.init.gqa_expansion,
+        "stage": cfg.stage.name,
         "kernel_path": kernel_path(device),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "status": "converted",

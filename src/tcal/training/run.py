@@ -85,8 +85,14 @@ class Stage1Cache:
 
     def key(self, ctx, student, plan: StagePlan) -> str:
         gdn_start = [tensor_bytes(t) for i in student.config.gdn_layers for t in student.gdn(i).state_dict().values()]
-        return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, plain(plan.cfg),
+        return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, self.settings(plan.cfg),
                       tensor_bytes(plan.data.windows), int(ctx.cfg.seed), world_size(ctx.cfg.trainer))
+
+    @staticmethod
+    def settings(cfg) -> dict:
+        """The Stage 1 settings that shape its result: `stage=align` and the align part of `stage=align_distill`
+        share entries (nested nodes a sweep adds to one of them, `cache` and `name` do not count)."""
+        return {k: v for k, v in plain(cfg).items() if not isinstance(v, dict) and k not in ("cache", "name")}
 
     def path(self, key: str) -> Path:
         return self.folder / f"{key}.safetensors"
@@ -119,10 +125,11 @@ def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Tr
     trainer_cfg = cfg.trainer
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints" / plan.kind, every_n_train_steps=plan.eval_every_steps,
                                  save_top_k=0, save_last=True, enable_version_counter=False)
+    strategy = (trainer_cfg.get("stage_strategy") or {}).get(plan.kind, trainer_cfg.strategy)
+    # max_epochs=-1: the sampler ends the data at max_steps; with max_epochs=1 a resumed run stops early (tested)
     return L.Trainer(
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.get("num_nodes", 1),
-        strategy=trainer_cfg.get("strategy", "auto"), precision=trainer_cfg.precision, max_steps=plan.total_steps,
-        max_epochs=-1, gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
+        strategy=strategy, precision=trainer_cfg.precision, max_steps=plan.total_steps, max_epochs=-1, gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
         callbacks=[*callbacks, checkpoint], default_root_dir=str(run_dir), use_distributed_sampler=False,
         limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1, enable_model_summary=False,
         deterministic=trainer_cfg.get("deterministic", False),
