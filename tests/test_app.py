@@ -106,10 +106,52 @@ def test_every_experiment_composes():
         assert cfg.teacher.name and cfg.retention.name and cfg.init.name
 
 
+PAPER_EXPERIMENTS = [f"{t}_uniform_r025_align_distill" for t in ("qwen2_5_1_5b", "qwen2_5_3b", "llama3_2_3b", "qwen3_8b")]
+
+
+@pytest.mark.parametrize("name", PAPER_EXPERIMENTS)
+def test_paper_experiments_hold_the_paper_settings(name):
+    cfg = compose(f"experiment={name}")
+    assert cfg.teacher.name == name.split("_uniform")[0]
+    assert (cfg.retention.name, cfg.retention.ratio) == ("uniform", 0.25)
+    assert (cfg.data.name, cfg.logger.name, cfg.trainer.strategy) == ("fineweb_edu", "wandb", "deepspeed_stage_2")
+    assert dict(cfg.trainer.stage_strategy) == {"align": "deepspeed_stage_1", "distill": "deepspeed_stage_2"}
+    align, distill, gpus = cfg.stage.align, cfg.stage.distill, cfg.trainer.devices
+    assert list(cfg.stage.sequence) == ["align", "distill"]
+    assert (align.max_tokens, align.seq_len, align.batch_size * gpus) == (100_000_000, 512, 96)
+    assert (align.lr, align.schedule, list(align.betas), align.grad_clip) == (1e-3, "cosine", [0.9, 0.95], 1.0)
+    assert (distill.max_tokens, distill.seq_len, distill.batch_size * gpus) == (600_000_000, 4096, 32)
+    assert (distill.lr_mixer, distill.lr_rest, distill.schedule) == (1e-4, 7e-6, "constant")
+    assert align.eval_every_tokens == distill.eval_every_tokens == 32_768_000
+
+
+def sweep_names() -> list[str]:
+    return sorted(p.stem for p in (Path(CONF_DIR).parent / "sweeps").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", sweep_names())
+def test_every_sweep_composes(name):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose("config", overrides=[f"+sweep={name}"], return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    params = cfg.hydra.sweeper.params
+    assert params and cfg.task_name == name
+    assert cfg.hydra.sweep.dir.startswith(f"outputs/multirun/{name}/")
+
+
 # Tiny overrides for every experiment: small teacher, few short windows, nothing saved. An experiment that
 # needs more (a training budget, ...) adds its own entry here.
 TINY = ["teacher=tiny_llama", "eval.seq_len=32", "eval.num_windows=2", "eval.batch_size=2", "save_student=false"]
-EXTRA_TINY: dict[str, list[str]] = {}
+TINY_PAPER = ["data=shakespeare", "trainer=cpu", "trainer.devices=1", "eval/harness=none", "eval/ruler=none",
+              "calibration.batch_size=2", "calibration.seq_len=64", "calibration.phase2.steps=3",
+              *(f"stage.{kind}.{key}={value}" for kind in ("align", "distill") for key, value in
+                (("max_tokens", 128), ("eval_every_tokens", 64), ("batch_size", 2), ("seq_len", 32)))]
+EXTRA_TINY: dict[str, list[str]] = {name: TINY_PAPER for name in PAPER_EXPERIMENTS}
 
 
 def tcal_command() -> list[str]:
@@ -149,3 +191,33 @@ def test_datasets_source_splits_local_text_by_document(tmp_path):
     assert (len(splits.calibration), len(splits.evaluation), len(splits.train)) == (3, 5, 12)
     assert len(set(names)) == 20
     assert {d.text for d in splits.evaluation} <= {f"line number {i} of the corpus" for i in range(20)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sweep_names())
+def test_sweep_runs_from_the_command_line(name, tmp_path):
+    """Each sweep with -m, every swept parameter narrowed to one tiny value, runs to a complete results.json."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        params = hydra_compose("config", overrides=[f"+sweep={name}"], return_hydra_config=True).hydra.sweeper.params
+    GlobalHydra.instance().clear()
+    narrowed = [f"{key}=tiny_llama" if key == "teacher" else f"{key}={str(values).split(',')[0]}"
+                for key, values in params.items()]
+    cache = isolated_cache_dir(tmp_path / "cache")
+    tiny_stage = [f"++stage.{key}={value}" for key, value in (("max_tokens", 128), ("eval_every_tokens", 64),
+                                                                ("batch_size", 2), ("seq_len", 32))]
+    tiny_stage += [f"++stage.{kind}.{key}={value}" for kind in ("align", "distill") for key, value in
+                   (("max_tokens", 128), ("eval_every_tokens", 64), ("batch_size", 2), ("seq_len", 32))]
+    command = tcal_command() + ["-m", f"+sweep={name}", *narrowed, f"paths.cache_dir={cache}",
+                                f"paths.output_dir={tmp_path / 'outputs'}", "teacher=tiny_llama", "eval.seq_len=32",
+                                "eval.num_windows=2", "eval/harness=none", "eval/ruler=none", "calibration.seq_len=64",
+                                "calibration.batch_size=2", "calibration.phase2.steps=3", *tiny_stage]
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(command)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    (results,) = (tmp_path / "outputs" / "multirun").rglob("results.json")
+    assert json.loads(results.read_text())["status"] == "complete"

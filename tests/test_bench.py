@@ -1,5 +1,6 @@
 """The benchmark entry runs end to end on tiny inputs (figures, not timings, are checked)."""
 
+import pytest
 from conftest import make_teacher
 
 from tcal.bench import bench_student, emit
@@ -22,3 +23,17 @@ def test_bench_student_prints_every_figure(capsys):
 def test_emit_rounds_floats(capsys):
     assert emit("x", ratio=1.234567891, n=3) == {"figure": "x", "ratio": 1.23457, "n": 3}
     assert capsys.readouterr().out.strip() == '{"figure": "x", "ratio": 1.23457, "n": 3}'
+
+
+def test_bench_stages_print_their_figures(capsys):
+    from tcal.bench import bench_stage1, bench_stage2
+
+    teacher = make_teacher("llama")
+    lines = [bench_stage2(teacher, [0, 2], batch=1, seq_len=16), bench_stage2(teacher, [0, 2], batch=1, seq_len=16,
+                                                                               plain=True),
+             bench_stage1(teacher, [0, 2], batch=1, seq_len=16)]
+    assert [line["figure"] for line in lines] == ["stage2_step", "stage2_plain_step", "stage1_step"]
+    for line in lines:
+        parts = line["teacher_forward_s"] + line.get("student_forward_backward_s", line.get("gdn_forward_backward_s", 0))
+        assert line["ratio"] == pytest.approx(line["step_s"] / parts, rel=0.05)  # emit rounds to 1e-5 s
+        assert line["peak_rss_gb"] > 0

@@ -456,7 +456,7 @@ def test_artifact_cache_reuses_layers(teacher, tokens, tmp_path, monkeypatch):
     first = {i: naive_gdn(teacher, i) for i in (1, 2)}
     computed = calibrate_layers(teacher, first, tokens, cfg, ("phase1", "phase2"), store)
     assert all(r["cached"] is False for r in computed.values())
-    assert len(list((tmp_path / "artifacts").glob("*.pt"))) == 2
+    assert len(list((tmp_path / "artifacts").glob("*.safetensors"))) == 2
 
     def no_teacher(*args, **kwargs):
         raise AssertionError("the teacher ran although every layer is cached")
@@ -579,6 +579,7 @@ def test_apply_phase1_ignores_padding():
     t_len, right, left = 12, 3, 4
     naive = tiny_gdn(seed=1)
     cfg = calibration_cfg().phase1
+    cfg.value_fit_query_scale = True  # the planted sigma is on the recurrence with fla's 1/sqrt(dk)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, t_len, 16, generator=gen)
     distance, entropy = torch.tensor([2.0, 5.0]), torch.tensor([0.4, 1.1])

@@ -341,7 +341,7 @@ FLA_SCRIPT = textwrap.dedent('''
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     folder = sys.argv[1]
-    data = torch.load(os.path.join(folder, "inputs.pt"))
+    data = torch.load(os.path.join(folder, "inputs.pt"), weights_only=True)
     out = {"ops": [], "layer": {}}
 
     for case in data["ops"]:
@@ -403,7 +403,7 @@ def test_matches_fla_triton_kernels_under_interpreter(tmp_path):
                           timeout=900)
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, f"fla under TRITON_INTERPRET failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    fla = torch.load(tmp_path / "fla_out.pt")
+    fla = torch.load(tmp_path / "fla_out.pt", weights_only=True)
     print(f"fla interpreter subprocess: {elapsed:.1f} s, {fla['num_launches']} kernel launches: "
           + json.dumps(fla["launches"]))
     # The numbers really come from fla's Triton kernels: chunked forward and backward, fused recurrent, norms.

@@ -14,7 +14,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _curve(points):
-    return [{"tokens_seen": t, "ppl": {"shakespeare": p}} for t, p in points]
+    return {"shakespeare": [{"tokens": t, "ppl": p} for t, p in points]}
 
 
 def _result(policy, init, student_ppl, curve=None, **extra):
@@ -91,16 +91,23 @@ def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
     assert _rows(out / "token_efficiency.csv") == [
         ["teacher", "policy", "ratio", "eval set", "target", "target PPL", "zero_gate tokens", "full tokens",
          "ratio"],
-        head + ["1.10x teacher", "22.00", "1,000", "<=500", ">=2.00x"],
+        # interpolated between evaluations, e.g. zero_gate 500 (22.9) -> 1000 (21.9) reaches 22.0 at 950
+        head + ["1.10x teacher", "22.00", "950", "<=500", ">=1.90x"],
         head + ["1.15x teacher", "23.00", "<=500", "<=500", "n/a"],
         head + ["1.20x teacher", "24.00", "<=500", "<=500", "n/a"],
         head + ["1.25x teacher", "25.00", "<=500", "<=500", "n/a"],
-        head + ["zero_gate final", "21.00", "2,000", "2,000", "1.00x"],
-        uni + ["1.10x teacher", "22.00", "not reached", "2,000", ">=1.50x"],
-        uni + ["1.15x teacher", "23.00", "3,000", "1,000", "3.00x"],
-        uni + ["1.20x teacher", "24.00", "2,000", "1,000", "2.00x"],
-        uni + ["1.25x teacher", "25.00", "2,000", "1,000", "2.00x"],
-        uni + ["zero_gate final", "22.80", "3,000", "1,000", "3.00x"],
+        head + ["1.50x teacher", "30.00", "<=500", "<=500", "n/a"],
+        head + ["2.00x teacher", "40.00", "<=500", "<=500", "n/a"],
+        head + ["3.00x teacher", "60.00", "<=500", "<=500", "n/a"],
+        head + ["zero_gate final", "21.00", "2,000", "1,286", "1.56x"],
+        uni + ["1.10x teacher", "22.00", "not reached", "1,500", ">=2.00x"],
+        uni + ["1.15x teacher", "23.00", "2,714", "821", "3.31x"],
+        uni + ["1.20x teacher", "24.00", "1,800", "464", "3.88x"],
+        uni + ["1.25x teacher", "25.00", "1,400", "107", "13.08x"],
+        uni + ["1.50x teacher", "30.00", "714", "<=0", ">=inf"],
+        uni + ["2.00x teacher", "40.00", "<=0", "<=0", "n/a"],
+        uni + ["3.00x teacher", "60.00", "<=0", "<=0", "n/a"],
+        uni + ["zero_gate final", "22.80", "3,000", "893", "3.36x"],
     ]
     md = (out / "report.md").read_text()
     assert "| t1 | uniform | 0.5 | shakespeare | 1,500.0 | 40.00 | - | 27.50 | 25.00 | 60.00x | 1.10x |" in md
@@ -149,3 +156,39 @@ def test_console_script(multirun, tmp_path):
     done = subprocess.run([sys.executable, "-m", "tcal.report", str(multirun), "--out", str(out)],
                           capture_output=True, text=True, check=True)
     assert "## Token efficiency" in done.stdout and (out / "zero_shot.csv").exists()
+
+
+def _trained(init, stage, ppl, curve=None, nlu=None, tokens=(100,)):
+    data = _result("uniform", init, ppl, curve)
+    data["stage"] = stage
+    data["stages"] = {kind: {"tokens_seen": t} for kind, t in zip(("align", "distill"), tokens)}
+    if nlu is not None:
+        data["harness"] = {"student": {"tcal_cloze": {"acc": nlu}}}
+    return data
+
+
+def test_tables_pick_runs_by_stage_and_after_training(tmp_path):
+    """Zero-shot tables read stage-none runs, token efficiency the Stage 2 curves, and the after-training table
+    the align and align_distill runs, although all share teacher, policy, ratio and init."""
+    runs = {
+        "zs_zero_gate": _result("uniform", "zero_gate", 40.0),
+        "zs_full": _result("uniform", "full", 30.0),
+        "d_zero_gate": _trained("zero_gate", "distill", 24.0, [(0, 40.0), (100, 30.0), (200, 24.0)]),
+        "d_full": _trained("full", "distill", 22.0, [(0, 30.0), (100, 24.0), (200, 22.0)]),
+        "a_zero_gate": _trained("zero_gate", "align", 35.0, nlu=0.2),
+        "a_full": _trained("full", "align", 28.0, nlu=0.3),
+        "ad_full": _trained("full", "align_distill", 21.0, nlu=0.4, tokens=(100, 300)),
+    }
+    for name, data in runs.items():
+        (tmp_path / "m" / name).mkdir(parents=True)
+        (tmp_path / "m" / name / "results.json").write_text(json.dumps(data))
+    main([str(tmp_path / "m"), "--out", str(tmp_path / "r")])
+    zero_shot = _rows(tmp_path / "r" / "zero_shot.csv")
+    assert zero_shot[1][5:7] == ["40.00", "30.00"]  # the stage-none runs
+    efficiency = {row[4]: row[6:] for row in _rows(tmp_path / "r" / "token_efficiency.csv")[1:]}
+    assert efficiency["1.20x teacher"] == ["200", "100", "2.00x"]  # target 24: zero_gate at 200, full at 100
+    assert _rows(tmp_path / "r" / "after_training.csv")[1:] == [
+        ["t1", "uniform", "0.5", "shakespeare", "zero_gate", "100", "35.00", "0.200", "-", "-", "-", "-", "-"],
+        ["t1", "uniform", "0.5", "shakespeare", "full", "100", "28.00", "0.300", "-", "400", "21.00", "0.400", "-"],
+    ]
+    assert "duplicate" not in (tmp_path / "r" / "report.md").read_text()

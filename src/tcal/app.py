@@ -1,18 +1,77 @@
-"""`tcal`: the Hydra entry of the main job (see conf/config.yaml)."""
+"""`tcal`: the Hydra entry of the main job (see conf/config.yaml).
 
+A configuration error (`tcal.errors.ConfigError`: a bad setting, unreadable data, or an unknown option of a
+config group) prints one line on stderr and exits with code 2, before any work and without a traceback.
+"""
+
+import json
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
 
-from tcal.pipeline import run
+from tcal.errors import ConfigError
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONFIG_ERROR_EXIT = 2
+
+
+def resumed_config(run_dir: Path):
+    """The resolved config a run recorded in its results.json, to continue that run exactly."""
+    results = Path(run_dir) / "results.json"
+    if not results.is_file():
+        raise ConfigError(f"resume={str(run_dir)!r}: no results.json there; expected a run folder of `tcal`")
+    cfg = OmegaConf.create(json.loads(results.read_text())["config"])
+    cfg.resume = str(run_dir)
+    return cfg
+
+
+def group_options(group: str) -> list[str] | None:
+    """The options of config group `group` (a folder of conf/), or None when `group` is not a group."""
+    folder = Path(CONF_DIR) / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else None
+
+
+def check_group_overrides(args: list[str]) -> None:
+    """`group=option` arguments name existing options (Hydra's own message spans many lines)."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~").split("@")[0]
+        options = group_options(key) if sep and not key.startswith("hydra") else None
+        if options is None or value in ("", "null") or "(" in value:
+            continue  # not a group, a deletion, or a sweep function such as glob(...)
+        for option in value.strip("[]").split(","):
+            if option not in options:
+                raise ConfigError(f"{key}={option!r}: no such option in config group {key!r}; "
+                                  f"expected one of {', '.join(options)}")
+
+
+def config_error_exit(err: Exception) -> None:
+    print(f"tcal: configuration error: {err}", file=sys.stderr, flush=True)
+    sys.exit(CONFIG_ERROR_EXIT)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg) -> None:
-    run(cfg, HydraConfig.get().runtime.output_dir)
+def hydra_main(cfg) -> None:
+    from tcal.pipeline import run
+    try:
+        if cfg.get("resume"):
+            run(resumed_config(Path(cfg.resume)), Path(cfg.resume), resume=True)
+        else:
+            run(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as err:
+        config_error_exit(err)
+
+
+def main() -> None:
+    """The `tcal` console script."""
+    try:
+        check_group_overrides(sys.argv[1:])
+    except ConfigError as err:
+        config_error_exit(err)
+    hydra_main()
 
 
 if __name__ == "__main__":

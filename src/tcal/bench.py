@@ -3,8 +3,11 @@
 Groups: `gdn` (GDN CPU path against fla's naive recurrent reference), `student` (student against teacher
 at 50% retention: forward, forward+backward, cache bytes, decode time), `stats` (peak memory of the
 streaming statistics at T=4096 against a plain forward), `phase2` (Phase 2 step against one GDN
-forward+backward), `init` (wall time and peak memory of the
-`phase2`, `full` and `full_plus` inits, uncached, and their ratios to `full`). Ratios, not timed tests.
+forward+backward), `init` (wall time and peak memory of the `phase2`, `full` and `full_plus` inits, uncached,
+and their ratios to `full`), `stage1` / `stage2` (a training step against its parts measured apart, and the
+process's peak RSS), `stage2_plain` (the same step with full-batch logits and an unchunked KL, for the memory
+comparison). Ratios, not timed tests. Peak RSS is per process: run `stage2` and `stage2_plain` each in its own
+invocation.
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
 
 from tcal.gdn import chunk_gated_delta_rule_torch
+from tcal.training.stages import AlignStage, DistillStage
 
 
 def emit(figure: str, **values) -> dict:
@@ -225,9 +231,122 @@ def bench_init_modes(compose_cfg, modes=INIT_MODES_BENCHED) -> dict:
     return emit("init_ratios", modes=ratios, target="full_plus: time <= 1.5x, memory <= 2x full")
 
 
+class StepTimer(Callback):
+    """Wall time of each training step (batch start to batch end, optimizer included)."""
+
+    def __init__(self):
+        self.times, self._start = [], 0.0
+
+    def on_train_batch_start(self, *args):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def _fit_step_time(module, batches: torch.Tensor, batch_size: int) -> float:
+    """Fastest step after the first, through Lightning's Trainer (clip 1.0, no logger or checkpoints)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    timer = StepTimer()
+    steps = len(batches) // batch_size
+    L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, gradient_clip_val=1.0, callbacks=[timer]).fit(
+        module, DataLoader(batches, batch_size=batch_size))
+    return min(timer.times[1:])
+
+
+def peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def stage_config(kind: str, overrides=()):
+    """conf/stage/<kind>.yaml with the `stage.*` entries of `overrides` applied."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tcal.app import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=[f"stage={kind}", *(o for o in overrides if o.startswith("stage."))])
+    GlobalHydra.instance().clear()
+    return cfg.stage
+
+
+def _stage_setup(teacher, kind: str, keep_layers, batch: int, seq_len: int, steps: int, overrides=()):
+    from tcal.convert import build_student
+
+    cfg = stage_config(kind, overrides)
+    student = build_student(teacher, keep_layers)
+    gen = torch.Generator().manual_seed(0)
+    batches = torch.randint(0, teacher.config.vocab_size, (steps * batch, seq_len), generator=gen)
+    return cfg, student, batches
+
+
+def bench_stage2(teacher, keep_layers, batch=4, seq_len=512, steps=3, plain=False, overrides=()) -> dict:
+    """A Stage 2 step against (teacher forward + student forward+backward) on the same batch, and peak RSS."""
+    cfg, student, batches = _stage_setup(teacher, "distill", keep_layers, batch, seq_len, steps, overrides)
+    module = (PlainDistill if plain else DistillStage)(student, teacher, cfg, steps)
+    step = _fit_step_time(module, batches, batch)
+    rss = peak_rss_gb()
+    ids = batches[:batch]
+    with torch.no_grad():
+        teacher_fwd = best_time(lambda: teacher(input_ids=ids, use_cache=False).logits, repeats=2)
+
+    def student_fwd_bwd():
+        logits = student(input_ids=ids, use_cache=False).logits.float()
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        student.zero_grad(set_to_none=True)
+
+    fwd_bwd = best_time(student_fwd_bwd, repeats=2)
+    tokens = batch * seq_len
+    return emit("stage2_plain_step" if plain else "stage2_step", shape=f"{batch}x{seq_len}", step_s=step,
+                teacher_forward_s=teacher_fwd, student_forward_backward_s=fwd_bwd,
+                ratio=step / (teacher_fwd + fwd_bwd), tokens_per_s=tokens / step, peak_rss_gb=rss,
+                threads=torch.get_num_threads(), checkpoint_mixers=cfg.checkpoint_mixers,
+                activation_checkpointing=cfg.activation_checkpointing, kl_chunk_size=cfg.kl_chunk_size,
+                target="ratio <= 1.15, peak_rss_gb <= 4")
+
+
+class PlainDistill(DistillStage):
+    """Stage 2 with the plain loss: full-batch float32 logits of both models and an unchunked KL."""
+
+    def loss(self, batch):
+        with torch.no_grad():
+            t_logp = F.log_softmax(self.teacher(input_ids=batch, use_cache=False).logits.float(), -1)
+        s_logp = F.log_softmax(self.student(input_ids=batch, use_cache=False).logits.float(), -1)
+        return (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean(), {}
+
+
+def bench_stage1(teacher, keep_layers, batch=4, seq_len=512, steps=3, overrides=()) -> dict:
+    """A Stage 1 step against (teacher forward + every GDN layer's forward+backward) on the same batch."""
+    from tcal.calibration.align import alignment_loss, capture_teacher_io
+
+    cfg, student, batches = _stage_setup(teacher, "align", keep_layers, batch, seq_len, steps, overrides)
+    module = AlignStage(student, teacher, cfg, steps)
+    step = _fit_step_time(module, batches, batch)
+    ids, layers = batches[:batch], student.config.gdn_layers
+    with torch.no_grad(), capture_teacher_io(teacher, layers) as io:
+        teacher_fwd = best_time(lambda: teacher.get_decoder()(input_ids=ids, use_cache=False), repeats=2)
+
+    def gdn_fwd_bwd():
+        for i in layers:
+            alignment_loss(student.gdn(i), *io[i]).backward()
+        student.zero_grad(set_to_none=True)
+
+    fwd_bwd = best_time(gdn_fwd_bwd, repeats=2)
+    return emit("stage1_step", shape=f"{batch}x{seq_len}", step_s=step, teacher_forward_s=teacher_fwd,
+                gdn_forward_backward_s=fwd_bwd, ratio=step / (teacher_fwd + fwd_bwd), peak_rss_gb=peak_rss_gb(),
+                threads=torch.get_num_threads(), target="ratio <= 1.2")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = ["gdn", "student", "stats", "phase2", "init"]
+    groups = ["gdn", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain"]
     parser.add_argument("groups", nargs="*", default=groups, choices=groups)
     parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
     args = parser.parse_args(argv)
@@ -243,9 +362,11 @@ def main(argv=None) -> None:
         from tcal.retention.uniform import uniform_layers
         from tcal.teachers.load import load_teacher
 
+        run_overrides = [o for o in args.override if not o.startswith("stage.")]
+
         def compose_cfg(*extra):
             with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-                return compose("config", overrides=["calibration.cache=false", *extra, *args.override])
+                return compose("config", overrides=["calibration.cache=false", *extra, *run_overrides])
 
         cfg = compose_cfg()
         teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
@@ -257,6 +378,11 @@ def main(argv=None) -> None:
             bench_phase2_step(teacher, cfg.calibration)
         if "init" in args.groups:
             bench_init_modes(compose_cfg)
+        keep = uniform_layers(teacher.config.num_hidden_layers, 0.5)
+        for group, bench in (("stage2", bench_stage2), ("stage2_plain", partial(bench_stage2, plain=True)),
+                             ("stage1", bench_stage1)):
+            if group in args.groups:
+                bench(teacher, keep, overrides=args.override)
 
 if __name__ == "__main__":
     main()

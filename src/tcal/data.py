@@ -7,12 +7,18 @@ used for nothing but evaluation (calibration and retention scoring read the cali
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tcal.errors import ConfigError, DataError, HubUnavailable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,29 +47,98 @@ def shakespeare_documents() -> list[Document]:
 
 
 def file_documents(paths) -> list[Document]:
-    """Local `.txt` files (one document each) or `.jsonl` files (one document per line, field `text`)."""
+    """Local `.txt` files (one document each) or `.jsonl` files (one document per line, field `text`).
+
+    Each file must be UTF-8 and hold text; a jsonl line must be a JSON object with a string `text`. Anything
+    else is a `DataError` naming the file and line. Blank jsonl lines, and lines whose text is empty, are
+    skipped (the count is logged)."""
     docs = []
     for path in map(Path, paths):
         if not path.is_file():
             raise FileNotFoundError(f"data file not found: {path}")
-        if path.suffix == ".jsonl":
-            lines = path.read_text(encoding="utf-8").splitlines()
-            docs += [Document(f"{path.stem}:{i}", json.loads(line)["text"]) for i, line in enumerate(lines) if line.strip()]
-        else:
-            docs.append(Document(path.stem, path.read_text(encoding="utf-8", errors="replace")))
+        text = read_utf8(path)
+        if not text.strip():
+            raise DataError(f"{path}: the file is empty (no text); remove it from the data files")
+        docs += jsonl_documents(path, text) if path.suffix == ".jsonl" else [Document(path.stem, text)]
     return docs
+
+
+def read_utf8(path: Path) -> str:
+    """The file decoded as UTF-8; bytes that are not name the file, line and byte offset."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise DataError(f"{path}: line {line}: bytes that are not UTF-8 ({data[err.start:err.end]!r} at byte "
+                        f"{err.start}); convert the file to UTF-8") from None
+
+
+def jsonl_documents(path: Path, text: str) -> list[Document]:
+    """One document per line with a non-empty string field `text` (named `<stem>:<line index>`)."""
+    docs, skipped = [], 0
+    for index, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}: line {index + 1}: not JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            fields = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise DataError(f"{path}: line {index + 1}: no string field 'text' (found {fields})")
+        if row["text"].strip():
+            docs.append(Document(f"{path.stem}:{index}", row["text"]))
+        else:
+            skipped += 1
+    if skipped:
+        log.warning("%s: skipped %d lines whose text is empty", path, skipped)
+    if not docs:
+        raise DataError(f"{path}: no line holds text")
+    return docs
+
+
+def offline_message(cfg, cause: str) -> str:
+    return (f"data.dataset={cfg.dataset!r} could not be loaded: the dataset hub is unreachable or offline here "
+            f"({cause}). Download it elsewhere and pass data.dataset=<local folder>, or use local text with "
+            f"data.source=files data.files=[...]")
+
+
+def check_dataset_reachable(cfg) -> None:
+    """Offline, a hub dataset (`org/name`) that is neither a local folder nor in the datasets cache fails at
+    once, before `datasets` spends its retries on it."""
+    import os
+
+    flags = [os.environ.get(name, "0").lower() for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")]
+    offline = any(flag not in ("0", "", "false", "no") for flag in flags)
+    name = str(cfg.dataset)
+    if not offline or "/" not in name or Path(name).expanduser().exists():
+        return
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    cache = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser()
+    if not (cache / name.replace("/", "___")).is_dir():
+        raise HubUnavailable(offline_message(cfg, f"offline, and not in the datasets cache {cache}"))
 
 
 def dataset_documents(cfg) -> list[Document]:
     """Rows of a `datasets` dataset (`data.dataset`, `data.subset`, `data.split`, text in `data.text_field`);
     hub datasets need a reachable hub, local builders (`text`, `json` with `data.data_files`) work offline."""
+    check_dataset_reachable(cfg)
     import datasets
 
     kwargs = {"data_files": dict(cfg.data_files)} if cfg.get("data_files") else {}
-    rows = datasets.load_dataset(cfg.dataset, cfg.get("subset"), split=cfg.get("split", "train"), **kwargs)
+    streaming = bool(cfg.get("streaming", False))
+    try:
+        rows = datasets.load_dataset(cfg.dataset, cfg.get("subset"), split=cfg.get("split", "train"),
+                                     streaming=streaming, **kwargs)
+    except (ConnectionError, OSError) as err:
+        raise HubUnavailable(offline_message(cfg, str(err))) from err
     field = cfg.get("text_field", "text")
-    if cfg.get("max_documents"):
-        rows = rows.select(range(min(int(cfg.max_documents), len(rows))))
+    limit = int(cfg.max_documents) if cfg.get("max_documents") else None
+    if streaming:
+        rows = itertools.islice(rows, limit)
+    elif limit is not None:
+        rows = rows.select(range(min(limit, len(rows))))
     return [Document(f"{cfg.dataset}:{i}", row[field]) for i, row in enumerate(rows) if row[field].strip()]
 
 
@@ -74,11 +149,11 @@ SOURCES = {"shakespeare": lambda cfg: shakespeare_documents(), "files": lambda c
 def load_splits(cfg) -> Splits:
     """Documents of `cfg.source` split by document into train / calibration / evaluation."""
     if cfg.source not in SOURCES:
-        raise ValueError(f"data.source={cfg.source!r}; expected one of {sorted(SOURCES)}")
+        raise ConfigError(f"data.source={cfg.source!r}; expected one of {sorted(SOURCES)}")
     docs = SOURCES[cfg.source](cfg)
     n_cal, n_eval = int(cfg.calibration_docs), int(cfg.evaluation_docs)
     if n_cal < 1 or n_eval < 1 or n_cal + n_eval >= len(docs):
-        raise ValueError(
+        raise ConfigError(
             f"data: {len(docs)} documents cannot give {n_cal} calibration + {n_eval} evaluation + >=1 training documents"
         )
     order = sorted(docs, key=lambda d: d.name)

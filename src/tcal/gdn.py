@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,9 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.layer_idx = layer_idx
+        # Training only: keep just the input for backward and recompute the mixer there (about 170 MB less per
+        # layer at 4 x 512 tokens, for about one more mixer forward). Set by the training stages.
+        self.checkpoint_training = False
         inner = num_heads * head_dim
         self.q_proj = nn.Linear(hidden_size, inner, bias=False)
         self.k_proj = nn.Linear(hidden_size, inner, bias=False)
@@ -195,8 +199,13 @@ class GatedDeltaNet(nn.Module):
                 linear_attention_mask: torch.Tensor | None = None, **kwargs):
         """Decoder-layer interface: `attention_mask` (the softmax layers' 4D mask) is ignored; padding comes
         as the 2D `linear_attention_mask` ([B, T], 1 = token) trimmed to this call's positions."""
+        if cache is None and self.checkpoint_training and self.training and torch.is_grad_enabled():
+            return checkpoint(self._mix_out, hidden_states, linear_attention_mask, use_reentrant=False), None
         state = _cached_state(cache, self.layer_idx) if cache is not None else None
         o, state = self.mix(hidden_states, linear_attention_mask, state, output_final_state=cache is not None)
         if cache is not None:
             cache.update_recurrent_state(state, self.layer_idx)
         return self.project_out(o, hidden_states), None
+
+    def _mix_out(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.project_out(self.mix(x, mask)[0], x)

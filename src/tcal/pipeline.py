@@ -1,18 +1,17 @@
-"""One conversion run (DESIGN section 2): teacher -> keep list -> student -> init -> zero-shot eval -> save.
+"""One run (DESIGN section 2): teacher -> keep list -> student -> init -> training stages -> eval -> export.
 
 `run(cfg, run_dir)` is what the `tcal` entry calls; tests call it with composed configs. Bad settings fail
-before anything is written; results.json is rewritten atomically after each stage ("status" says how far
-the run got), so a crash leaves a readable record.
+before anything is written; results.json is rewritten atomically after each step ("status" says how far
+the run got) and at every curve point, so a crash leaves a readable record. With `stage=none` the evaluation
+is zero-shot. Under DDP every rank runs the same steps; only rank 0 writes, evaluates and exports.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,10 +22,12 @@ from tcal.data import Splits, load_splits
 from tcal.evaluate.suite import evaluate, format_table
 from tcal.gdn import kernel_path
 from tcal.init import init_student
-from tcal.results import write_json_atomic
+from tcal.results import write_folder_atomic, write_json_atomic
 from tcal.retention import select_layers
 from tcal.teachers.load import load_teacher
-from tcal.tracking import make_tracker
+from tcal.tracking import finish, log_figures, make_logger
+from tcal.training.run import plan_stages, run_stage
+from tcal.validate import validate_config, validate_loaded
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class RunContext:
     splits: Splits
     cache_dir: Path
     run_dir: Path
+    extra_callbacks: list = field(default_factory=list)  # Lightning callbacks added to every stage's Trainer
 
     @property
     def num_layers(self) -> int:
@@ -70,19 +72,30 @@ def prepare(cfg, run_dir: Path, timings: dict) -> RunContext:
 
 def save_student(student, tokenizer, folder: Path) -> None:
     """save_pretrained into a temporary folder, then rename: a checkpoint is whole or absent."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    student.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    def write(tmp: Path) -> None:
+        student.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    write_folder_atomic(folder, write)
 
 
-def run(cfg, run_dir: str | Path) -> dict:
+def is_rank_zero() -> bool:
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
+def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None = None) -> dict:
+    """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint."""
     run_dir = Path(run_dir)
+    validate_config(cfg)
     timings: dict[str, float] = {}
     ctx = prepare(cfg, run_dir, timings)
+    validate_loaded(ctx)
+    ctx.extra_callbacks = list(callbacks or [])
+    with timed(timings, "load_training_data"):
+        plans = plan_stages(ctx)
+    writer = is_rank_zero()
     with timed(timings, "retention"):
         selection = select_layers(cfg.retention, ctx)
     with timed(timings, "convert"):
@@ -96,31 +109,55 @@ def run(cfg, run_dir: str | Path) -> dict:
         "retention_scores": {str(k): v for k, v in selection.scores.items()},
         "init_mode": cfg.init.name,
         "gqa_expansion": cfg.init.gqa_expansion,
+        "stage": cfg.stage.name,
         "kernel_path": kernel_path(device),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "status": "converted",
         "timings": timings,
     }
     results_path = run_dir / "results.json"
-    write_json_atomic(results_path, results)
+
+    def save_results() -> None:
+        if writer:
+            write_json_atomic(results_path, results)
+
+    save_results()
     log.info("keep layers (%s): %s; GDN kernel path: %s", cfg.retention.name, selection.keep_layers, kernel_path(device))
 
     with timed(timings, "init"):
         results["calibration"] = init_student(student, cfg.init, ctx)
     results["status"] = "initialized"
-    write_json_atomic(results_path, results)
+    save_results()
 
+    logger = make_logger(cfg, run_dir)
+    tokens_seen = 0
+    for plan in plans:
+        def on_curve(curve, kind=plan.kind):
+            results.setdefault("stages", {}).setdefault(kind, {})["curve"] = curve
+            results["curve"] = curve
+            save_results()
+
+        with timed(timings, f"stage_{plan.kind}"):
+            record = run_stage(plan, ctx, student, logger, on_curve, resume)
+        results.setdefault("stages", {})[plan.kind] = record
+        results["curve"] = record["curve"]
+        results["status"] = f"trained_{plan.kind}"
+        tokens_seen = record["tokens_seen"]
+        save_results()
+    if not writer:
+        return results
+
+    student.eval()
     with timed(timings, "evaluate"):
         results.update(evaluate(ctx, student))
     print(format_table(results), flush=True)
-    tracker = make_tracker(cfg, run_dir)
-    tracker.log({k: results[k] for k in ("metrics", "harness", "ruler") if k in results}, tokens_seen=0)
-    tracker.finish()
+    log_figures(logger, {"eval": {k: results[k] for k in ("metrics", "harness", "ruler") if k in results}}, tokens_seen)
+    finish(logger)
     if cfg.save_student:
         with timed(timings, "save"):
             save_student(student, ctx.tokenizer, run_dir / "student")
         results["student_path"] = str(run_dir / "student")
     results["status"] = "complete"
-    write_json_atomic(results_path, results)
+    save_results()
     print(f"results: {results_path}", flush=True)
     return results

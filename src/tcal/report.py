@@ -18,10 +18,11 @@ from pathlib import Path
 
 from tcal.evaluate.local_tasks import nlu_average
 from tcal.results import write_atomic, write_text_atomic
+from tcal.tracking import finish, log_table, wandb_logger
 
 INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full")
 ABLATION_INITS = ("naive", "zero_gate", "phase1", "phase2", "full")
-TARGET_MULTIPLES = (1.10, 1.15, 1.20, 1.25)
+TARGET_MULTIPLES = (1.10, 1.15, 1.20, 1.25, 1.5, 2.0, 3.0)
 MISSING = "-"
 
 Table = tuple[list[str], list[list[str]]]
@@ -69,6 +70,8 @@ class Run:
     nlu: dict[str, float | None]     # role ("teacher" / "student") -> NLU average
     ruler: dict[str, float | None]   # role -> mean over lengths and tasks
     curve: list[tuple[int, dict[str, float]]]
+    stage: str = "none"               # the training stages the run ended with (none = zero-shot)
+    tokens_trained: int = 0           # tokens seen over all its stages
 
     @property
     def group(self) -> tuple[str, str, float]:
@@ -124,9 +127,19 @@ def _normalize(path: Path, data: dict) -> Run:
         nlu={role: nlu_average(harness[role]) if harness.get(role) else None for role in ("teacher", "student")},
         ruler={role: _mean(v for by_task in (ruler.get(role) or {}).values() for v in by_task.values())
                for role in ("teacher", "student")},
-        curve=sorted(((int(p["tokens_seen"]), {k: float(v) for k, v in p["ppl"].items()})
-                      for p in data.get("curve") or []), key=lambda point: point[0]),
+        curve=_curve_points(data.get("curve") or {}),
+        stage=str(data.get("stage") or (data.get("config") or {}).get("stage", {}).get("name", "none")),
+        tokens_trained=sum(int(r.get("tokens_seen", 0)) for r in (data.get("stages") or {}).values()),
     )
+
+
+def _curve_points(curve: dict) -> list[tuple[int, dict[str, float]]]:
+    """results.json's {eval set: [{"tokens", "ppl"}, ...]} as [(tokens, {eval set: ppl}), ...] by tokens."""
+    by_tokens: dict[int, dict[str, float]] = {}
+    for eval_set, points in curve.items():
+        for point in points:
+            by_tokens.setdefault(int(point["tokens"]), {})[eval_set] = float(point["ppl"])
+    return sorted(by_tokens.items())
 
 
 def _ppl_by_set(metrics: dict, key: str) -> dict[str, float]:
@@ -147,9 +160,9 @@ def collect(folder: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
         except IncompleteRun as err:
             problems.append((path, str(err)))
             continue
-        key = (run.group, run.init)
+        key = (run.group, run.init, run.stage)
         if key in seen:
-            problems.append((path, f"duplicate of {seen[key]} (same teacher, policy, ratio, init); ignored"))
+            problems.append((path, f"duplicate of {seen[key]} (same teacher, policy, ratio, init, stage); ignored"))
             continue
         seen[key] = path
         runs.append(run)
@@ -158,9 +171,14 @@ def collect(folder: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
 
 # --- tables ---
 
-def _groups(runs: list[Run]) -> dict[tuple, dict[str, Run]]:
+ZERO_SHOT_STAGES = ("none",)
+EFFICIENCY_STAGES = ("distill", "align_distill", "none")  # Stage 2 curves first
+
+
+def _groups(runs: list[Run], stages=ZERO_SHOT_STAGES) -> dict[tuple, dict[str, Run]]:
+    """{(teacher, policy, ratio): {init: run}}, each init's run taken from the first of `stages` it has."""
     groups: dict[tuple, dict[str, Run]] = {}
-    for run in runs:
+    for run in sorted((r for r in runs if r.stage in stages), key=lambda r: stages.index(r.stage), reverse=True):
         groups.setdefault(run.group, {})[run.init] = run
     return dict(sorted(groups.items()))
 
@@ -222,7 +240,8 @@ def ablation_table(runs: list[Run]) -> Table:
 
 @dataclass
 class Reach:
-    """When a curve first gets to a target: kind is 'exact', 'upper' (first evaluation) or 'never'."""
+    """When a curve first gets to a target: kind is 'exact' (interpolated between the two evaluations around the
+    crossing), 'upper' (already there at the first evaluation) or 'never' (not within the budget)."""
 
     tokens: int
     kind: str
@@ -233,9 +252,14 @@ class Reach:
 
 
 def reach(points: list[tuple[int, float]], target: float) -> Reach:
+    """Tokens at which PPL first reaches `target`, linear in tokens and PPL between evaluations."""
     for index, (tokens, ppl) in enumerate(points):
         if ppl <= target:
-            return Reach(tokens, "upper" if index == 0 else "exact")
+            if index == 0:
+                return Reach(tokens, "upper")
+            before_tokens, before_ppl = points[index - 1]
+            fraction = (before_ppl - target) / (before_ppl - ppl)
+            return Reach(round(before_tokens + fraction * (tokens - before_tokens)), "exact")
     return Reach(points[-1][0], "never")
 
 
@@ -258,7 +282,7 @@ def efficiency_table(runs: list[Run], baseline: str, calibrated: str) -> tuple[T
     header = ["teacher", "policy", "ratio", "eval set", "target", "target PPL",
               f"{baseline} tokens", f"{calibrated} tokens", "ratio"]
     rows, notes = [], []
-    for group, by_init in _groups(runs).items():
+    for group, by_init in _groups(runs, EFFICIENCY_STAGES).items():
         label = " / ".join(_row_head(group, "")[:3])
         if baseline not in by_init or calibrated not in by_init:
             notes.append(f"{label}: no {baseline if baseline not in by_init else calibrated} run")
@@ -277,6 +301,28 @@ def efficiency_table(runs: list[Run], baseline: str, calibrated: str) -> tuple[T
                 rows.append([*_row_head(group, eval_set), name, fmt_ppl(target), b.cell(), c.cell(),
                              efficiency_ratio(b, c)])
     return (header, rows), notes
+
+
+def after_training_table(runs: list[Run]) -> Table:
+    """The paper's "after Stage 1 / after Stage 1 + 2" table: PPL, NLU average and RULER per init."""
+    header = ["teacher", "policy", "ratio", "eval set", "init"]
+    for label in ("Stage 1", "Stage 1+2"):
+        header += [f"{label} tokens", f"{label} PPL", f"{label} NLU avg", f"{label} RULER"]
+    after = {stage: _groups(runs, (stage,)) for stage in ("align", "align_distill")}
+    rows = []
+    for group in sorted(set(after["align"]) | set(after["align_distill"])):
+        by_stage = {stage: after[stage].get(group, {}) for stage in after}
+        inits = [i for i in _init_columns(runs) if any(i in by_init for by_init in by_stage.values())]
+        for eval_set in sorted({s for by_init in by_stage.values() for s in _eval_sets(by_init)}):
+            for init in inits:
+                cells = []
+                for stage in ("align", "align_distill"):
+                    run = by_stage[stage].get(init)
+                    cells += ([fmt_tokens(run.tokens_trained), fmt_ppl(run.student_ppl.get(eval_set)),
+                               fmt_score(run.nlu["student"]), fmt_score(run.ruler["student"])]
+                              if run else [MISSING] * 4)
+                rows.append([*_row_head(group, eval_set), init, *cells])
+    return header, rows
 
 
 # --- output ---
@@ -328,8 +374,8 @@ def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
 
 
 def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calibrated: str = "full",
-                 tracker=None) -> str:
-    """Write every table, CSV and plot into `out_dir`; return the Markdown. A `tcal.tracking` tracker
+                 logger=None) -> str:
+    """Write every table, CSV and plot into `out_dir`; return the Markdown. A Lightning `logger` (W&B)
     also receives each table (W&B tables for a dashboard)."""
     folder, out_dir = Path(folder), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -338,12 +384,13 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
     tables = {"zero_shot": ("Zero-shot perplexity (student; NLU avg and RULER are student scores)",
                             zero_shot_table(runs)),
               "phase_ablation": ("Phase ablation", ablation_table(runs)),
-              "token_efficiency": (f"Token efficiency ({baseline} vs {calibrated})", efficiency)}
+              "token_efficiency": (f"Token efficiency ({baseline} vs {calibrated}): Stage 2 tokens to reach each "
+                                   f"target, interpolated between evaluations", efficiency),
+              "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs))}
     parts = [f"# tcal report: {folder}\n\n{len(runs)} complete runs, {len(problems)} incomplete.\n"]
     for name, (title, table) in tables.items():
         write_csv(out_dir / f"{name}.csv", table)
-        if tracker is not None:
-            tracker.log_table(name, *table)
+        log_table(logger, name, *table)
         parts.append(f"## {title}\n\n{markdown_table(table)}")
     parts[-1] += "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")  # efficiency notes
     plots = plot_curves(runs, out_dir)
@@ -366,15 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder")
     out = args.out or args.folder / "report"
-    tracker = None
+    logger = None
     if args.wandb_project:
-        from tcal.tracking import WandbTracker
-
-        tracker = WandbTracker({"project": args.wandb_project, "group": "report"}, out, {"folder": str(args.folder)},
-                               f"report-{args.folder.name}")
-    print(build_report(args.folder, out, args.baseline, args.calibrated, tracker))
-    if tracker is not None:
-        tracker.finish()
+        logger = wandb_logger(args.wandb_project, out, f"report-{args.folder.name}", "report",
+                              config={"folder": str(args.folder)})
+    print(build_report(args.folder, out, args.baseline, args.calibrated, logger))
+    finish(logger)
     return 0
 
 

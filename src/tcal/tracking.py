@@ -1,48 +1,15 @@
-"""Experiment trackers: `logger=none` (default) or `logger=wandb`, with `tokens_seen` as the step metric.
+"""The one logging layer: Lightning's loggers (`logger=csv`, the default, or `logger=wandb`; `logger=none`).
 
-Zero-shot figures are logged at tokens_seen=0; the training stages log their curves through the same call,
-so a W&B dashboard grouped by init mode compares the curves directly.
+The training stages hand the logger to their Trainer and log with `tokens_seen` as the step; the zero-shot
+path and `tcal-report` call the same logger object directly, so every figure goes through one layer.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
-
-
-class Tracker:
-    """No tracker: every call is a no-op."""
-
-    def log(self, metrics: dict, tokens_seen: int) -> None:
-        pass
-
-    def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-class WandbTracker(Tracker):
-    def __init__(self, cfg, run_dir: Path, config: dict, name: str):
-        import wandb
-
-        self.wandb = wandb
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=cfg["project"], group=cfg.get("group"), name=name, dir=str(run_dir),
-                              config=config, reinit="finish_previous")
-        self.run.define_metric("tokens_seen")
-        self.run.define_metric("*", step_metric="tokens_seen")
-
-    def log(self, metrics: dict, tokens_seen: int) -> None:
-        self.run.log({**flatten(metrics), "tokens_seen": tokens_seen})
-
-    def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
-        self.run.log({name: self.wandb.Table(columns=columns, data=rows)})
-
-    def finish(self) -> None:
-        self.run.finish()
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -57,12 +24,51 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def make_tracker(cfg, run_dir: Path) -> Tracker:
-    """The tracker named by `cfg.logger.name`."""
+def wandb_has_credentials() -> bool:
+    netrc = Path.home() / ".netrc"
+    return bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
+
+
+def wandb_logger(project: str, run_dir: Path, name: str, group: str | None = None, tags=(), config=None):
+    """A WandbLogger writing under run_dir; offline (sync later with `wandb sync`) when no API key is set."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    offline = os.environ.get("WANDB_MODE") == "offline" or not wandb_has_credentials()
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return WandbLogger(project=project, name=name, group=group, tags=list(tags), save_dir=str(run_dir),
+                       offline=offline, config=config)
+
+
+def make_logger(cfg, run_dir: Path):
+    """The Lightning logger named by `cfg.logger.name`, or None for `none`."""
     name = cfg.logger.name
     if name == "none":
-        return Tracker()
+        return None
+    if name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=str(run_dir), name="logs", version="", flush_logs_every_n_steps=1)
     if name == "wandb":
-        run_name = f"{cfg.teacher.name}-{cfg.retention.name}-{cfg.init.name}"
-        return WandbTracker(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), run_name)
-    raise ValueError(f"logger.name={name!r}; expected none or wandb")
+        tags = [cfg.teacher.name, cfg.retention.name, cfg.init.name, cfg.stage.name]
+        return wandb_logger(cfg.logger.project, run_dir, "-".join(tags), cfg.logger.get("group"), tags,
+                            OmegaConf.to_container(cfg, resolve=True))
+    raise ValueError(f"logger={name!r}; expected none, csv or wandb")
+
+
+def log_figures(logger, figures: dict, tokens_seen: int = 0) -> None:
+    """Numbers of a (nested) results dict, flattened, at step `tokens_seen`."""
+    if logger is not None:
+        logger.log_metrics({**flatten(figures), "tokens_seen": tokens_seen}, step=tokens_seen)
+
+
+def log_table(logger, name: str, columns: list[str], rows: list[list]) -> None:
+    """A table to loggers that hold tables (W&B); others ignore it."""
+    if logger is not None and hasattr(logger, "log_table"):
+        logger.log_table(key=name, columns=columns, data=rows)
+
+
+def finish(logger) -> None:
+    if logger is not None:
+        logger.finalize("success")
+        if hasattr(logger, "experiment") and hasattr(logger.experiment, "finish"):
+            logger.experiment.finish()

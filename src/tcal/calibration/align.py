@@ -7,6 +7,7 @@ is pulled towards the teacher attention module's output y_T on the same input.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -85,6 +86,7 @@ def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, 
         for step in range(int(cfg.steps)):
             loss = alignment_loss(gdn, x, target, mask)
             losses.append(loss.item())
+            check_finite_loss(losses[-1], gdn, step, x.shape[0] * x.shape[1] if mask is None else int(mask.sum()))
             if losses[-1] < best_loss:
                 best_loss, best_state, best_step = losses[-1], snapshot(gdn), step
             optimizer_step(optimizer, trainable, loss, cfg.grad_clip)
@@ -100,6 +102,14 @@ def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, 
             "cosine_after": after["cosine"], "best_step": best_step, "losses": losses}
 
 
+def check_finite_loss(loss: float, gdn: GatedDeltaNet, step: int, tokens: int) -> None:
+    """Stop Phase 2 at the first NaN or Inf loss, naming the layer, step and tokens (the layer is left as it
+    was before that step; nothing of it is saved)."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"phase 2: alignment loss of layer {gdn.layer_idx} is {loss} at step {step} "
+                                 f"({tokens} calibration tokens); stopping")
+
+
 @torch.no_grad()
 def snapshot(module) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -108,3 +118,24 @@ def snapshot(module) -> dict:
 @torch.no_grad()
 def alignment_loss_value(gdn, x, target, mask=None) -> float:
     return alignment_loss(gdn, x, target, mask).item()
+
+
+@contextlib.contextmanager
+def capture_teacher_io(teacher, layers):
+    """Inside the block, each teacher forward fills {layer: (x, y_T)}: the teacher-forced input of `self_attn`
+    (the input_layernorm output) and the attention module's output, for every layer in `layers`."""
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(layer):
+        def keep(module, args, kwargs, output):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            captured[layer] = (hidden.detach(), output[0].detach())
+        return keep
+
+    decoder = teacher.get_decoder().layers
+    handles = [decoder[i].self_attn.register_forward_hook(hook(i), with_kwargs=True) for i in layers]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from tcal.cache_entry import load_tensors, save_tensors
 from tcal.calibration.align import align_layer, alignment_metrics
 from tcal.calibration.phase1 import apply_phase1
 from tcal.calibration.stats import collect_teacher_stats
 from tcal.data import between_windows, token_windows
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 from tcal.gdn import GatedDeltaNet
-from tcal.results import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -67,24 +67,27 @@ def artifact_key(teacher, layer: int, phases, batch: torch.Tensor, settings: dic
 
 
 class ArtifactStore:
-    """One file per calibrated layer: its GDN state dict and its calibration record."""
+    """One safetensors file per calibrated layer: its GDN state dict, with its calibration record as JSON in the
+    file's metadata (`tcal.cache_entry`: written whole; an unreadable file is recalibrated with a warning)."""
 
     def __init__(self, folder: Path | None):
         self.folder = Path(folder) if folder is not None else None
 
     def path(self, key: str) -> Path:
-        return self.folder / f"{key}.pt"
+        return self.folder / f"{key}.safetensors"
 
     def load(self, key: str):
-        if self.folder is None or not self.path(key).is_file():
+        if self.folder is None:
             return None
-        return torch.load(self.path(key), map_location="cpu", weights_only=False)
+        entry = load_tensors(self.path(key), "calibration artifact")
+        if entry is not None and not (entry[0] and isinstance(entry[1], dict)):
+            log.warning("calibration artifact %s is foreign (no state or record); recalibrating", self.path(key))
+            entry = None
+        return None if entry is None else {"state": entry[0], "record": entry[1]}
 
     def save(self, key: str, state: dict, record: dict) -> None:
-        if self.folder is None:
-            return
-        artifact = {"state": {k: v.detach().cpu() for k, v in state.items()}, "record": record}
-        write_atomic(self.path(key), lambda tmp: torch.save(artifact, tmp))
+        if self.folder is not None:
+            save_tensors(self.path(key), state, record)
 
 
 def load_cached(gdns: dict[int, GatedDeltaNet], keys: dict[int, str], store: ArtifactStore) -> dict[int, dict]:

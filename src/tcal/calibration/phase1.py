@@ -50,7 +50,8 @@ def ols_value_scale(context: torch.Tensor, output: torch.Tensor, low: float = 0.
 
 
 def rms(t: torch.Tensor) -> float:
-    return float(t.double().pow(2).mean().sqrt())
+    """Root mean square; 0 for no elements (an all-padding batch), not NaN."""
+    return float(t.double().pow(2).mean().sqrt()) if t.numel() else 0.0
 
 
 def output_gate_alpha(context: torch.Tensor, value_activation: torch.Tensor, damping: float = 0.01) -> float:

@@ -253,9 +253,11 @@ def _rss_kib(field: str) -> int:
 
 
 def _measure_child(path, mode, seq_len, block_size, queue):
-    """Load the pickled teacher, warm it up, reset the RSS high-water mark, run one forward."""
+    """Load the saved teacher, warm it up, reset the RSS high-water mark, run one forward."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
-    teacher = torch.load(path, weights_only=False)
+    teacher = AutoModelForCausalLM.from_pretrained(path)  # safetensors: no pickle
     teacher.eval()
     vocab = teacher.config.vocab_size
     warm = torch.randint(vocab, (1, 8))
@@ -291,12 +293,12 @@ def peak_memory_report(teacher, seq_len: int = 4096, block_size: int = 256) -> d
     """Peak RSS increase of a plain forward vs collect_teacher_stats, each in a fresh process.
 
     Also reports the bytes an output_attentions=True approach would hold for the attention maps
-    alone (float32, one sequence). Linux only (/proc). The teacher is pickled to a temp file.
+    alone (float32, one sequence). Linux only (/proc). The teacher is saved to a temporary folder.
     """
     cfg = teacher.config
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "teacher.pt")
-        torch.save(teacher, path)
+        path = os.path.join(tmp, "teacher")
+        teacher.save_pretrained(path)
         plain = _measure(path, "plain", seq_len, block_size)
         stats = _measure(path, "stats", seq_len, block_size)
     attn_maps = cfg.num_hidden_layers * cfg.num_attention_heads * seq_len * seq_len * 4

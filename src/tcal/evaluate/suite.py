@@ -6,13 +6,12 @@ disk (`paths.cache_dir/teacher_eval`): a sweep computes them once.
 
 from __future__ import annotations
 
-import json
 import logging
 
+from tcal.cache_entry import get_or_build, read_json, write_json
 from tcal.data import Document, eval_sets, token_windows
 from tcal.evaluate.perplexity import perplexity
 from tcal.fingerprint import digest, plain, teacher_fingerprint
-from tcal.results import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +25,8 @@ def cached_teacher(ctx, kind: str, settings, compute):
     tokenizer = digest(type(ctx.tokenizer).__name__, ctx.tokenizer.get_vocab())
     key = digest(teacher_fingerprint(ctx.teacher), tokenizer, kind, settings)
     path = ctx.cache_dir / "teacher_eval" / f"{kind}-{key}.json"
-    if path.is_file():
-        return json.loads(path.read_text())["value"]
-    value = compute()
-    write_json_atomic(path, {"kind": kind, "settings": settings, "value": value})
-    return value
+    return get_or_build(path, lambda p: read_json(p, "teacher figure cache", lambda record: record["value"]),
+                        compute, lambda p, value: write_json(p, {"kind": kind, "settings": settings, "value": value}))
 
 
 def perplexities(ctx, student) -> dict:

@@ -16,7 +16,6 @@ A hit reads the file and runs no teacher forward.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -24,9 +23,9 @@ from typing import Callable
 
 import torch
 
+from tcal.cache_entry import get_or_build, read_json, write_json
 from tcal.data import token_stream, token_windows
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
-from tcal.results import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +72,14 @@ class ScoreCache:
     def load(self, policy: str, key: str) -> dict[int, float] | None:
         if self.folder is None:
             return None
-        path = self.path(policy, key)
-        if not path.is_file():
-            return None
-        try:
-            record = json.loads(path.read_text())
-            return {int(k): float(v) for k, v in record["scores"].items()}
-        except (ValueError, KeyError, TypeError) as err:  # a damaged file is scored again, not trusted
-            log.warning("ignoring unreadable retention cache %s (%s)", path, err)
-            return None
+        return read_json(self.path(policy, key), "retention score cache",
+                         lambda record: {int(k): float(v) for k, v in record["scores"].items()})
 
     def save(self, policy: str, key: str, parts: dict, scores: dict[int, float]) -> None:
         if self.folder is None:
             return
-        write_json_atomic(self.path(policy, key),
-                          {"key": key, "parts": parts, "scores": {str(k): v for k, v in sorted(scores.items())}})
+        write_json(self.path(policy, key),
+                   {"key": key, "parts": parts, "scores": {str(k): v for k, v in sorted(scores.items())}})
 
 
 def score_cache(cfg, ctx) -> ScoreCache:
@@ -98,13 +90,21 @@ def cached_scores(cfg, ctx, score: Callable[[], dict[int, float]], extra: dict |
     """Per-layer scores from the cache, or from `score()` (then saved)."""
     key, parts = selection_key(cfg, ctx, extra)
     cache = score_cache(cfg, ctx)
-    scores = cache.load(cfg.name, key)
-    if scores is not None:
-        log.info("retention %s: scores read from %s", cfg.name, cache.path(cfg.name, key))
+
+    def compute() -> dict[int, float]:
+        return {int(i): finite_or_inf(s) for i, s in score().items()}
+
+    if cache.folder is None:
+        return compute()
+
+    def read(path: Path) -> dict[int, float] | None:
+        scores = cache.load(cfg.name, key)
+        if scores is not None:
+            log.info("retention %s: scores read from %s", cfg.name, path)
         return scores
-    scores = {int(i): finite_or_inf(s) for i, s in score().items()}
-    cache.save(cfg.name, key, parts, scores)
-    return scores
+
+    return get_or_build(cache.path(cfg.name, key), read, compute,
+                        lambda path, scores: cache.save(cfg.name, key, parts, scores))
 
 
 def finite_or_inf(value: float) -> float:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from tcal.results import write_folder_atomic
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def package_file(package: str, filename: str) -> Path:
     return path
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """Hub ids are `org/name`; anything rooted or deeper is meant as a folder."""
     return path.startswith((".", "/", "~")) or path.count("/") > 1
 
@@ -46,17 +46,26 @@ def resolve_pretrained(path: str) -> str:
     expanded = Path(path).expanduser()
     if expanded.is_dir():
         return str(expanded)
-    if _looks_local(path):
+    if looks_local(path):
         raise FileNotFoundError(f"teacher.path={path!r}: no such local folder")
     return path
 
 
-def _from_pretrained(loader, path: str, **kwargs):
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE set (in the environment, or as huggingface_hub read it at import)."""
+    import huggingface_hub.constants
+
+    return (os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
+            or bool(huggingface_hub.constants.HF_HUB_OFFLINE))
+
+
+def _from_pretrained(loader, path: str, trust_remote_code: bool = False, **kwargs):
+    """`loader.from_pretrained` with remote code off unless the teacher config turns it on; a clear error when a
+    hub id cannot be fetched."""
     try:
-        return loader.from_pretrained(path, **kwargs)
+        return loader.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except OSError as err:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-        hint = "HF_HUB_OFFLINE is set" if offline else "the model hub may be unreachable from this machine"
+        hint = "HF_HUB_OFFLINE is set" if hub_offline() else "the model hub may be unreachable from this machine"
         raise RuntimeError(
             f"teacher.path={path!r} is not a local folder and could not be loaded from the hub ({hint}). "
             f"Download it elsewhere and pass teacher.path=/local/folder. Cause: {err}"
@@ -77,20 +86,24 @@ def _gguf_cached(cfg, cache_dir: Path, dtype: torch.dtype) -> Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
     plain.load_state_dict(quantized.state_dict())
-    tmp = folder.with_name(folder.name + ".tmp")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
-    return folder
+
+    def write(tmp: Path) -> None:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return write_folder_atomic(folder, write, replace=False)  # a parallel job may have converted it first
+
+
+def trust_remote_code(cfg) -> bool:
+    """Code shipped with a checkpoint runs only when the teacher config says `trust_remote_code: true`."""
+    return bool(cfg.get("trust_remote_code", False))
 
 
 def load_tokenizer(cfg, cache_dir: str | Path):
     """The teacher's tokenizer, or the one its `tokenizer` node names (tiny test teachers borrow SmolLM2's)."""
     source = cfg.get("tokenizer") or cfg
     if source.get("path"):
-        return _from_pretrained(AutoTokenizer, resolve_pretrained(source.path))
+        return _from_pretrained(AutoTokenizer, resolve_pretrained(source.path), trust_remote_code(cfg))
     if source.get("gguf_file"):
         return AutoTokenizer.from_pretrained(_gguf_cached(source, Path(cache_dir), torch.float32))
     raise ValueError(f"teacher {cfg.name!r} names no tokenizer: set teacher.path or teacher.tokenizer")
@@ -103,8 +116,9 @@ def load_teacher(cfg, cache_dir: str | Path):
     attn = cfg.get("attn_implementation", "sdpa")
     if cfg.get("path"):
         path = resolve_pretrained(cfg.path)
-        adapter_for(_from_pretrained(AutoConfig, path))
-        model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attn)
+        trust = trust_remote_code(cfg)
+        adapter_for(_from_pretrained(AutoConfig, path, trust))
+        model = _from_pretrained(AutoModelForCausalLM, path, trust, dtype=dtype, attn_implementation=attn)
     elif cfg.get("gguf_file"):
         folder = _gguf_cached(cfg, cache_dir, dtype)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)

@@ -1,0 +1,112 @@
+"""One rule for every on-disk cache of the project (calibration artifacts, retention scores, teacher figures,
+token streams, Stage 1 results).
+
+An entry is one file, written whole (a temporary file renamed over it, `tcal.results.write_atomic`), so
+parallel jobs racing on one key each leave a whole file and the last rename wins; the keys are digests of
+everything an entry depends on, so racing writers write the same content. `get_or_build` also holds a lock
+file per key while it builds, so the jobs of a sweep that need one entry build it once and the others wait
+and read it. Reading is forgiving: a missing
+entry is a miss, and an entry that fails to load (truncated, foreign, from an older layout) is a miss with a
+warning. It is then rebuilt and rewritten, never trusted and never a crash.
+
+Tensors and their record share one safetensors file (the record as JSON in its metadata): no pickle, so no
+`torch.load` of cache files at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tcal.results import write_atomic, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+RECORD = "tcal_record"  # safetensors metadata key holding the JSON record
+
+
+def read_entry(path: str | Path, load: Callable[[Path], Any], what: str) -> Any | None:
+    """`load(path)`, or None when the entry is missing or unreadable (warned: the caller rebuilds it)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return load(path)
+    except Exception as err:  # noqa: BLE001 - any failure to read means "rebuild", never "crash"
+        log.warning("%s %s is unreadable (%s: %s); rebuilding it", what, path, type(err).__name__, err)
+        return None
+
+
+def read_json(path: str | Path, what: str, parse: Callable[[dict], Any]) -> Any | None:
+    """`parse(data)` of a JSON entry, or None when missing or unreadable (`parse` raising means foreign)."""
+    return read_entry(path, lambda p: parse(json.loads(p.read_text(encoding="utf-8"))), what)
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    write_json_atomic(path, data)
+    log.info("cache entry written: %s", path)
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], record: Any) -> None:
+    """Tensors and a JSON-able record in one safetensors file, written whole."""
+    plain = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    metadata = {RECORD: json.dumps(record)}
+    write_atomic(path, lambda tmp: save_file(plain, str(tmp), metadata=metadata))
+    log.info("cache entry written: %s", path)
+
+
+def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        metadata = handle.metadata() or {}
+        if RECORD not in metadata:
+            raise KeyError(f"no {RECORD!r} in its metadata (not a tcal cache entry)")
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    return tensors, json.loads(metadata[RECORD])
+
+
+def load_tensors(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], Any] | None:
+    """(tensors, record) of an entry written by `save_tensors`, or None (missing or unreadable)."""
+    return read_entry(path, _load_tensors, what)
+
+
+@contextlib.contextmanager
+def key_lock(path: str | Path):
+    """An exclusive lock on `<folder>.locks/<entry>.lock`, beside the entries' folder so listings of entries
+    stay entries only (POSIX flock; released when the holder exits, even when killed)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): racing writers still leave one whole file
+        yield
+        return
+    path = Path(path)
+    lock = path.parent.with_name(path.parent.name + ".locks") / (path.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def get_or_build(path: str | Path, read: Callable[[Path], Any | None], build: Callable[[], Any],
+                 write: Callable[[Path, Any], None]) -> Any:
+    """The entry at `path` (`read` returns None for a miss), or `build()` written there, built once across
+    processes: under the key's lock the entry is read again before building."""
+    path = Path(path)
+    value = read(path)
+    if value is not None:
+        return value
+    with key_lock(path):
+        value = read(path)
+        if value is None:
+            value = build()
+            write(path, value)
+    return value

@@ -1,0 +1,117 @@
+"""Training data: the training split tokenized once, packed into fixed-length windows, served by token budget.
+
+The token stream of a split is cached on disk (`paths.cache_dir/tokens/<key>.safetensors`, keyed by the
+tokenizer's vocabulary and the documents' names and text), so the runs of a sweep tokenize once. Only the
+training split is read here: calibration and evaluation documents never reach a training batch.
+
+Batches are a pure function of (seed, global step, rank): step s on rank r reads the windows
+`(s * world + r) * batch_size ...` of a seeded sequence of shuffled epochs over the windows, and the sampler
+starts at the trainer's global step whenever it is iterated. A resumed run therefore continues with exactly
+the batches an uninterrupted run would have seen, with no sampler state to save.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from tcal.cache_entry import get_or_build, load_tensors, save_tensors
+from tcal.data import Document, token_stream
+from tcal.fingerprint import digest
+
+log = logging.getLogger(__name__)
+
+
+def tokenizer_digest(tokenizer) -> str:
+    return digest(type(tokenizer).__name__, tokenizer.get_vocab(), tokenizer.eos_token_id)
+
+
+def cached_token_stream(docs: list[Document], tokenizer, cache_dir: Path | None) -> torch.Tensor:
+    """`token_stream(docs, tokenizer)`, memoized on disk by tokenizer and document content."""
+    if cache_dir is None:
+        return token_stream(docs, tokenizer)
+    key = digest(tokenizer_digest(tokenizer), [(d.name, d.text) for d in docs])
+    path = Path(cache_dir) / "tokens" / f"{key}.safetensors"
+
+    def read(p: Path) -> torch.Tensor | None:
+        entry = load_tensors(p, "token cache")
+        return None if entry is None else entry[0]["tokens"]
+
+    return get_or_build(path, read, lambda: token_stream(docs, tokenizer),
+                        lambda p, stream: save_tensors(p, {"tokens": stream}, {"documents": len(docs)}))
+
+
+def pack(stream: torch.Tensor, seq_len: int, source: str = "training split") -> torch.Tensor:
+    """[N, seq_len] consecutive non-overlapping windows of the stream (the tail shorter than a window is dropped)."""
+    n = stream.numel() // seq_len
+    if n < 1:
+        raise ValueError(f"the {source} has {stream.numel()} tokens, fewer than one sequence of "
+                         f"stage.seq_len={seq_len}")
+    return stream[: n * seq_len].view(n, seq_len)
+
+
+class EpochWindows(Dataset):
+    """Window number i of an endless sequence of epochs, each a seeded permutation of the packed windows."""
+
+    def __init__(self, windows: torch.Tensor, seed: int):
+        self.windows, self.seed = windows, int(seed)
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._orders[epoch] = torch.randperm(len(self.windows), generator=gen)
+        return self._orders[epoch]
+
+    def __len__(self) -> int:
+        return 2**62  # endless; the sampler decides which indices are read
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        epoch, position = divmod(int(index), len(self.windows))
+        return self.windows[self.order(epoch)[position]]
+
+
+class StepSampler(Sampler):
+    """Indices of this rank's samples for global steps `start_step()` .. total_steps - 1 (see module doc)."""
+
+    def __init__(self, batch_size: int, total_steps: int, rank: int = 0, world_size: int = 1,
+                 start_step: Callable[[], int] = lambda: 0):
+        self.batch_size, self.total_steps = int(batch_size), int(total_steps)
+        self.rank, self.world_size, self.start_step = int(rank), int(world_size), start_step
+
+    def __iter__(self):
+        for step in range(int(self.start_step()), self.total_steps):
+            first = (step * self.world_size + self.rank) * self.batch_size
+            yield from range(first, first + self.batch_size)
+
+    def __len__(self) -> int:
+        return max(self.total_steps - int(self.start_step()), 0) * self.batch_size
+
+
+class PackedTextDataModule(L.LightningDataModule):
+    """Packed training windows of the training split for one stage; batches are [batch_size, seq_len] token ids."""
+
+    def __init__(self, train_docs: list[Document], tokenizer, seq_len: int, batch_size: int, total_steps: int,
+                 seed: int, cache_dir: Path | None = None):
+        super().__init__()
+        self.seq_len, self.batch_size, self.total_steps, self.seed = int(seq_len), int(batch_size), int(total_steps), seed
+        self.windows = pack(cached_token_stream(train_docs, tokenizer, cache_dir), self.seq_len)
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        if trainer is None:
+            sampler = StepSampler(self.batch_size, self.total_steps)
+        else:
+            sampler = StepSampler(self.batch_size, self.total_steps, trainer.global_rank, trainer.world_size,
+                                  lambda: trainer.global_step)
+        return DataLoader(EpochWindows(self.windows, self.seed), batch_size=self.batch_size, sampler=sampler,
+                          num_workers=0)

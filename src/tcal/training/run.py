@@ -1,0 +1,192 @@
+"""Running the stages of `cfg.stage` after the init: planning (checked before any work), Lightning Trainers,
+checkpoints and resume, the Stage 1 cache, and the stage records of results.json.
+
+`stage=none` has no stages; `align` and `distill` have one; `align_distill` runs `stage.align` then
+`stage.distill`. Budgets are tokens: a stage runs max_tokens // (batch_size * seq_len * world size) steps and
+evaluates (and checkpoints) every round(eval_every_tokens / tokens per step) steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from tcal.cache_entry import load_tensors, save_tensors
+from tcal.data import eval_sets, token_windows
+from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
+from tcal.teachers.load import torch_dtype
+from tcal.training.curve import PerplexityCurve
+from tcal.training.data import PackedTextDataModule
+from tcal.training.stages import STAGES
+
+log = logging.getLogger(__name__)
+
+BUDGET_KEYS = ("max_tokens", "eval_every_tokens", "batch_size", "seq_len")
+
+
+def stages_of(node) -> list[tuple[str, object, str]]:
+    """[(kind, settings node, override prefix)] of a `stage` config node, in the order they run."""
+    if node.name == "none":
+        return []
+    if "sequence" in node:
+        return [(kind, node[kind], f"stage.{kind}") for kind in node.sequence]
+    return [(node.kind, node, "stage")]
+
+
+def world_size(trainer_cfg) -> int:
+    devices = trainer_cfg.get("devices", 1)
+    if isinstance(devices, int) and devices > 0:
+        per_node = devices
+    elif isinstance(devices, (list, tuple)) or hasattr(devices, "__len__") and not isinstance(devices, str):
+        per_node = len(devices)
+    else:
+        per_node = max(torch.cuda.device_count(), 1) if trainer_cfg.accelerator == "gpu" else 1
+    return per_node * int(trainer_cfg.get("num_nodes", 1))
+
+
+@dataclass
+class StagePlan:
+    kind: str
+    cfg: object
+    prefix: str
+    data: PackedTextDataModule
+    total_steps: int
+    eval_every_steps: int
+
+
+def plan_stages(ctx) -> list[StagePlan]:
+    """Tokenized, packed training data and step counts for each stage (settings checked by `tcal.validate`);
+    fails before conversion when the training split is shorter than one sequence."""
+    cfg, plans = ctx.cfg, []
+    world = world_size(cfg.trainer)
+    for kind, node, prefix in stages_of(cfg.stage):
+        tokens_per_step = node.batch_size * node.seq_len * world
+        total_steps = node.max_tokens // tokens_per_step
+        data = PackedTextDataModule(ctx.splits.train, ctx.tokenizer, node.seq_len, node.batch_size, total_steps,
+                                    int(cfg.seed), ctx.cache_dir if node.get("cache_tokens", True) else None)
+        plans.append(StagePlan(kind, node, prefix, data, total_steps,
+                               max(round(node.eval_every_tokens / tokens_per_step), 1)))
+    return plans
+
+
+class Stage1Cache:
+    """Finished Stage 1 students' GDN weights and records (one safetensors file each, `tcal.cache_entry`), keyed
+    by everything they depend on, so many Stage 2 runs start from one Stage 1."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+
+    def key(self, ctx, student, plan: StagePlan) -> str:
+        gdn_start = [tensor_bytes(t) for i in student.config.gdn_layers for t in student.gdn(i).state_dict().values()]
+        return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, self.settings(plan.cfg),
+                      tensor_bytes(plan.data.windows), int(ctx.cfg.seed), world_size(ctx.cfg.trainer))
+
+    @staticmethod
+    def settings(cfg) -> dict:
+        """The Stage 1 settings that shape its result: `stage=align` and the align part of `stage=align_distill`
+        share entries (nested nodes a sweep adds to one of them, `cache` and `name` do not count)."""
+        return {k: v for k, v in plain(cfg).items() if not isinstance(v, dict) and k not in ("cache", "name")}
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}.safetensors"
+
+    def load(self, key: str, student) -> dict | None:
+        entry = None if self.folder is None else load_tensors(self.path(key), "Stage 1 cache entry")
+        if entry is None:
+            return None
+        state, record = entry
+        own = self.gdn_state(student)
+        fits = state.keys() == own.keys() and all(state[k].shape == v.shape for k, v in own.items())
+        if not fits or not isinstance(record, dict) or "curve" not in record:
+            log.warning("Stage 1 cache entry %s does not fit this student (foreign file); training again", key)
+            return None
+        student.load_state_dict(state, strict=False)
+        return {**record, "cached": True}
+
+    @staticmethod
+    def gdn_state(student) -> dict:
+        """The GDN layers' parameters under their names in the student's state dict."""
+        return {f"model.layers.{i}.self_attn.{k}": v for i in student.config.gdn_layers
+                for k, v in student.gdn(i).state_dict().items()}
+
+    def save(self, key: str, student, record: dict) -> None:
+        if self.folder is not None:
+            save_tensors(self.path(key), self.gdn_state(student), record)
+
+
+def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Trainer:
+    trainer_cfg = cfg.trainer
+    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints" / plan.kind, every_n_train_steps=plan.eval_every_steps,
+                                 save_top_k=0, save_last=True, enable_version_counter=False)
+    strategy = (trainer_cfg.get("stage_strategy") or {}).get(plan.kind, trainer_cfg.strategy)
+    # max_epochs=-1: the sampler ends the data at max_steps; with max_epochs=1 a resumed run stops early (tested)
+    return L.Trainer(
+        accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.get("num_nodes", 1),
+        strategy=strategy, precision=trainer_cfg.precision, max_steps=plan.total_steps, max_epochs=-1, gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
+        callbacks=[*callbacks, checkpoint], default_root_dir=str(run_dir), use_distributed_sampler=False,
+        limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1, enable_model_summary=False,
+        deterministic=trainer_cfg.get("deterministic", False),
+    )
+
+
+@contextlib.contextmanager
+def teacher_in_dtype(teacher, dtype_name: str | None):
+    """The frozen teacher in `dtype_name` (e.g. bfloat16) for the block, back in its own dtype afterwards."""
+    if not dtype_name:
+        yield
+        return
+    own = teacher.dtype
+    teacher.to(torch_dtype(dtype_name))
+    try:
+        yield
+    finally:
+        teacher.to(own)
+
+
+def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool) -> dict:
+    """Train `student` in place for one stage; returns the stage's record (summary and curve)."""
+    cfg = ctx.cfg
+    cache = Stage1Cache(ctx.cache_dir / "stage1" / cfg.teacher.name
+                        if plan.kind == "align" and plan.cfg.get("cache", True) else None)
+    key = cache.key(ctx, student, plan) if cache.folder is not None else None
+    if key is not None and (cached := cache.load(key, student)) is not None:
+        log.info("stage align: reused from the Stage 1 cache (%s)", key)
+        on_curve(cached["curve"])
+        return cached
+    windows = {name: token_windows(docs, ctx.tokenizer, int(cfg.eval.seq_len), int(cfg.eval.num_windows))
+               for name, docs in eval_sets(cfg.data, ctx.splits).items()}
+    tokens_per_step = plan.data.tokens_per_batch * world_size(cfg.trainer)
+    curve = PerplexityCurve(windows, plan.eval_every_steps * tokens_per_step, int(cfg.eval.batch_size), on_curve)
+    module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps)
+    trainer = make_trainer(cfg, plan, ctx.run_dir, logger, [curve, *ctx.extra_callbacks])
+    last = ctx.run_dir / "checkpoints" / plan.kind / "last.ckpt"
+    ckpt_path = str(last) if resume and last.is_file() else None
+    if ckpt_path:
+        log.info("stage %s: resuming from %s", plan.kind, ckpt_path)
+    start = time.perf_counter()
+    with teacher_in_dtype(ctx.teacher, plan.cfg.get("teacher_dtype")):
+        trainer.fit(module, datamodule=plan.data, ckpt_path=ckpt_path)
+    seconds = time.perf_counter() - start
+    student.requires_grad_(False)
+    record = {
+        "kind": plan.kind, "settings": plain(plan.cfg), "steps": int(trainer.global_step),
+        "tokens_seen": module.tokens_seen, "tokens_per_step": tokens_per_step, "world_size": trainer.world_size,
+        "seconds_this_process": round(seconds, 2), "loss_first": module.loss_first, "loss_last": module.loss_last,
+        "rank_weight_digests": module.rank_weight_digests, "curve": curve.curve, "resumed": ckpt_path is not None,
+        "cached": False,
+    }
+    first, final = ({name: points[i]["ppl"] for name, points in curve.curve.items() if points} for i in (0, -1))
+    if trainer.is_global_zero:
+        print(f"stage {plan.kind}: {module.tokens_seen:,} tokens in {trainer.global_step} steps, {seconds:.0f} s "
+              f"in this process; loss {module.loss_first:.4g} -> {module.loss_last:.4g}; "
+              + ", ".join(f"ppl {n} {first[n]:.2f} -> {final[n]:.2f}" for n in final), flush=True)
+        if key is not None:
+            cache.save(key, student, record)
+    return record

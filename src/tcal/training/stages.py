@@ -1,0 +1,199 @@
+"""The training stages as LightningModules (DESIGN section 7): Stage 1 alignment and Stage 2 distillation.
+
+Both wrap the hybrid student (a registered submodule: it trains, moves and checkpoints with the module) and
+the frozen teacher (held outside the module tree: never trained, never checkpointed, never wrapped by DDP).
+Both count `tokens_seen`, summed over all ranks, and log every metric with it as the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+
+from tcal.calibration.align import alignment_loss, capture_teacher_io
+from tcal.fingerprint import digest, tensor_bytes
+from tcal.training.kd import chunked_kd_loss
+
+
+def lr_schedule(optimizer, name: str, total_steps: int, min_lr_ratio: float = 0.0):
+    """`constant` or `cosine` (from each group's lr down to min_lr_ratio * lr over total_steps), per step."""
+    if name == "constant":
+        factor = lambda step: 1.0  # noqa: E731
+    elif name == "cosine":
+        def factor(step: int) -> float:
+            progress = min(step / max(total_steps, 1), 1.0)
+            return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"stage.schedule={name!r}; expected constant or cosine")
+    return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}
+
+
+class StageModule(L.LightningModule):
+    """What both stages share: the teacher reference, token counting, logging, the optimizer and schedule."""
+
+    kind = "stage"
+
+    def __init__(self, student, teacher, cfg, total_steps: int):
+        super().__init__()
+        self.student = student
+        self._frozen = {"teacher": teacher}  # a plain dict: not a submodule
+        self.cfg, self.total_steps = cfg, int(total_steps)
+        self.tokens_seen = 0
+        self.loss_first: float | None = None
+        self.loss_last: float | None = None
+        self.rank_weight_digests: list[str] = []
+        self._clock: tuple[float, int] | None = None
+
+    @property
+    def teacher(self):
+        return self._frozen["teacher"]
+
+    def setup(self, stage: str) -> None:
+        self.teacher.to(self.device)
+        self.student.train()  # no dropout in these models; train mode states the intent (and silences Lightning)
+        self.set_checkpointing(bool(self.cfg.get("checkpoint_mixers", False)),
+                               bool(self.cfg.get("activation_checkpointing", False)))
+
+    def teardown(self, stage: str) -> None:
+        self.set_checkpointing(False, False)
+
+    def set_checkpointing(self, mixers: bool, layers: bool) -> None:
+        """Recompute in backward instead of storing: the GDN mixers only, or whole decoder layers."""
+        for i in self.student.config.gdn_layers:
+            self.student.gdn(i).checkpoint_training = mixers
+        if layers:
+            self.student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif self.student.is_gradient_checkpointing:
+            self.student.gradient_checkpointing_disable()
+
+    def parameter_groups(self) -> list[dict]:
+        raise NotImplementedError
+
+    def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(the stage's loss on a batch of token ids, extra figures to log)."""
+        raise NotImplementedError
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.count_tokens(batch)
+        loss, extra = self.loss(batch)
+        self.log_step(loss, extra)
+        return loss
+
+    def configure_optimizers(self):
+        cfg = self.cfg
+        optimizer = torch.optim.AdamW(self.parameter_groups(), betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        return {"optimizer": optimizer,
+                "lr_scheduler": lr_schedule(optimizer, cfg.schedule, self.total_steps, cfg.get("min_lr_ratio", 0.0))}
+
+    def count_tokens(self, batch: torch.Tensor) -> int:
+        """Add this step's tokens over all ranks to tokens_seen."""
+        local = torch.tensor(float(batch.numel()), dtype=torch.float64, device=batch.device)
+        self.tokens_seen += int(self.trainer.strategy.reduce(local, reduce_op="sum").item())
+        return self.tokens_seen
+
+    def check_finite(self, loss: torch.Tensor, what: str = "loss") -> None:
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{self.kind}: {what} is {loss.item()} at step {self.global_step} "
+                                     f"(tokens_seen {self.tokens_seen}); stopping with the last checkpoint kept")
+
+    def log_step(self, loss: torch.Tensor, extra: dict) -> None:
+        """Loss, extras, tokens_seen (also the logger's step) and throughput, on the progress bar too."""
+        if self.loss_first is None:
+            self.loss_first = loss.item()
+        self.loss_last = loss.item()
+        now = time.perf_counter()
+        start_time, start_tokens = self._clock or (now, self.tokens_seen)
+        speed = (self.tokens_seen - start_tokens) / (now - start_time) if now > start_time else 0.0
+        metrics = {f"{self.kind}/loss": loss.detach(), **{f"{self.kind}/{k}": v for k, v in extra.items()},
+                   f"{self.kind}/tokens_seen": float(self.tokens_seen), "step": float(self.tokens_seen)}
+        self.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        self.log_dict({"tokens": float(self.tokens_seen), "tok/s": speed}, prog_bar=True, logger=False,
+                      on_step=True, on_epoch=False, rank_zero_only=True)
+        if self.device.type == "cuda":
+            self.log(f"{self.kind}/peak_memory_gb", torch.cuda.max_memory_allocated() / 2**30, rank_zero_only=True)
+
+    def on_train_start(self) -> None:
+        self._clock = (time.perf_counter(), self.tokens_seen)
+
+    def on_train_end(self) -> None:
+        """Every rank's weight digest, gathered: a DDP run proves its ranks ended identical."""
+        mine = torch.tensor([int(weights_digest(self.student)[:15], 16)], dtype=torch.int64, device=self.device)
+        gathered = self.all_gather(mine).reshape(-1)
+        self.rank_weight_digests = [f"{int(d):015x}" for d in gathered.tolist()]
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["tcal"] = {"tokens_seen": self.tokens_seen, "loss_first": self.loss_first}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.tokens_seen = int(checkpoint["tcal"]["tokens_seen"])
+        self.loss_first = checkpoint["tcal"]["loss_first"]
+
+
+class AlignStage(StageModule):
+    """Stage 1: every GDN layer, fed the teacher's normalized input, matches the teacher attention output.
+
+    The loss is Phase 2's objective (`alignment_loss`) averaged over the GDN layers; only GDN parameters train.
+    The teacher runs once per batch; the student's decoder does not run at all (inputs are teacher-forced).
+    """
+
+    kind = "align"
+
+    def __init__(self, student, teacher, cfg, total_steps: int):
+        super().__init__(student, teacher, cfg, total_steps)
+        self.gdn_layers = list(student.config.gdn_layers)
+        student.requires_grad_(False)
+        for i in self.gdn_layers:
+            student.gdn(i).requires_grad_(True)
+
+    def parameter_groups(self) -> list[dict]:
+        return [{"params": [p for i in self.gdn_layers for p in self.student.gdn(i).parameters()], "lr": self.cfg.lr}]
+
+    def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(mean over GDN layers of the alignment loss, {"layer_<i>": that layer's loss})."""
+        with torch.no_grad(), capture_teacher_io(self.teacher, self.gdn_layers) as io:
+            self.teacher.get_decoder()(input_ids=batch, use_cache=False)
+        losses = {}
+        for i in self.gdn_layers:
+            losses[i] = alignment_loss(self.student.gdn(i), *io[i])
+            self.check_finite(losses[i], f"alignment loss of layer {i}")
+        return torch.stack(list(losses.values())).mean(), {f"layer_{i}": v.detach() for i, v in losses.items()}
+
+
+class DistillStage(StageModule):
+    """Stage 2: forward KL(teacher || student) on the logits of every position, computed in token chunks.
+
+    Two parameter groups: the GDN mixers at `lr_mixer`, every other student parameter at `lr_rest`.
+    """
+
+    kind = "distill"
+
+    def __init__(self, student, teacher, cfg, total_steps: int):
+        super().__init__(student, teacher, cfg, total_steps)
+        student.requires_grad_(True)
+
+    def parameter_groups(self) -> list[dict]:
+        mixer_ids = {id(p) for i in self.student.config.gdn_layers for p in self.student.gdn(i).parameters()}
+        mixers = [p for p in self.student.parameters() if id(p) in mixer_ids]
+        rest = [p for p in self.student.parameters() if id(p) not in mixer_ids]
+        return [{"params": mixers, "lr": self.cfg.lr_mixer}, {"params": rest, "lr": self.cfg.lr_rest}]
+
+    def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(KL (+ CE) loss, {"kl", "ce"}) of one batch of token ids."""
+        with torch.no_grad():
+            teacher_hidden = self.teacher.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
+        student_hidden = self.student.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
+        loss, parts = chunked_kd_loss(student_hidden, teacher_hidden, self.student.get_output_embeddings(),
+                                      self.teacher.get_output_embeddings(), batch,
+                                      chunk_size=int(self.cfg.kl_chunk_size), ce_weight=float(self.cfg.ce_weight))
+        self.check_finite(loss)
+        return loss, parts
+
+
+STAGES = {"align": AlignStage, "distill": DistillStage}
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    return digest(*(tensor_bytes(t) for t in module.state_dict().values()))

@@ -1,0 +1,350 @@
+"""Every user-settable value checked before work starts, with an error naming the key, the bad value and what
+is allowed (`ConfigError`; the `tcal` entry prints it on one line and exits with code 2).
+
+`validate_config(cfg)` runs first in `pipeline.run`, before the teacher loads: names, budgets, learning rates,
+lengths against the teacher's context when its config is known without loading it, devices, dtypes, paths.
+`validate_loaded(ctx)` runs once the teacher and the documents are in memory and before anything is written:
+the real teacher's layers and context, and whether each split holds the tokens its windows need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from omegaconf import ListConfig, OmegaConf
+
+from tcal.calibration.calibrate import PHASES
+from tcal.convert import GQA_EXPANSIONS, validate_keep_layers
+from tcal.data import SOURCES, check_dataset_reachable, token_stream
+from tcal.errors import ConfigError
+from tcal.init import INIT_MODES
+from tcal.retention import POLICIES, num_kept
+from tcal.teachers.load import _DTYPES, hub_offline, looks_local
+from tcal.training.run import BUDGET_KEYS, stages_of, world_size
+from tcal.training.stages import STAGES
+
+
+PRECISIONS = ("16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true", "64-true", "32", "16", "bf16", "64",
+              "transformer-engine", "transformer-engine-float16")
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+SCHEDULES = ("constant", "cosine")
+LOGGERS = ("none", "csv", "wandb")
+HARNESSES = ("none", "local", "paper")
+RULERS = ("none", "default")
+SCORED = ("ar", "ga_s2")  # policies that read scoring windows of the calibration split
+
+
+@contextlib.contextmanager
+def as_config_error():
+    """Checks shared with the library (keep lists, ratios) raise ValueError; at the run's start they are
+    configuration errors."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}; expected one of {', '.join(map(str, allowed))}")
+
+
+def positive_int(key: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{key}={value!r}; expected a positive integer")
+
+
+def positive_number(key: str, value, what: str = "a number > 0") -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not ok:
+        raise ConfigError(f"{key}={value!r}; expected {what}")
+
+
+def in_range(key: str, value, low: float, high: float, what: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value < high
+    if not ok:
+        raise ConfigError(f"{key}={value!r}; expected {what}")
+
+
+# ------------------------------------------------------------------------------------------------ groups
+
+
+def check_init(cfg) -> None:
+    init = cfg.init
+    one_of("init.name", init.name, INIT_MODES.names())
+    one_of("init.gqa_expansion", init.get("gqa_expansion", "whole_head"), GQA_EXPANSIONS)
+    if "phases" in init:
+        phases = list(init.phases)
+        unknown = [p for p in phases if p not in PHASES]
+        if unknown or not phases or len(set(phases)) != len(phases):
+            raise ConfigError(f"init.phases={phases}; expected a non-empty list without repeats of {', '.join(PHASES)}")
+    if "gate_scale" in init:
+        positive_number("init.gate_scale", init.gate_scale)
+
+
+def init_phases(cfg) -> list[str]:
+    return list(cfg.init.get("phases") or [])
+
+
+def check_calibration(cfg) -> None:
+    cal = cfg.calibration
+    for key in ("batch_size", "seq_len", "block_size"):
+        positive_int(f"calibration.{key}", cal[key])
+    if "phase2" in init_phases(cfg):
+        positive_int("calibration.phase2.steps", cal.phase2.steps)
+        for key in ("lr_projections", "lr_dynamics"):
+            positive_number(f"calibration.phase2.{key}", cal.phase2[key], "a learning rate > 0")
+        positive_number("calibration.phase2.grad_clip", cal.phase2.grad_clip)
+        in_range("calibration.phase2.weight_decay", cal.phase2.weight_decay, 0.0, math.inf, "a number >= 0")
+    p1 = cal.phase1
+    for low, high in (("gamma_min", "gamma_max"), ("sigma_min", "sigma_max")):
+        positive_number(f"calibration.phase1.{low}", p1[low])
+        if not (isinstance(p1[high], (int, float)) and p1[high] >= p1[low]):
+            raise ConfigError(f"calibration.phase1.{high}={p1[high]!r}; expected a number >= "
+                              f"calibration.phase1.{low}={p1[low]}")
+    top = p1.beta_low + p1.beta_span if isinstance(p1.beta_span, (int, float)) else None
+    in_range("calibration.phase1.beta_low", p1.beta_low, 1e-9, 1.0, "a write-gate target in (0, 1)")
+    if top is None or not 0.0 < top < 1.0:
+        raise ConfigError(f"calibration.phase1.beta_span={p1.beta_span!r}; expected beta_low + beta_span in (0, 1)")
+
+
+def check_retention(cfg, num_layers: int | None) -> None:
+    ret = cfg.retention
+    one_of("retention.name", ret.name, POLICIES.names())
+    if ret.name == "explicit":
+        keep = None if OmegaConf.is_missing(ret, "keep") else ret.keep
+        if not isinstance(keep, (list, tuple, ListConfig)):
+            raise ConfigError(f"retention.keep={keep!r}; expected a list of layer indices, e.g. retention.keep=[0,2]")
+        with as_config_error():
+            validate_keep_layers(list(keep), num_layers if num_layers is not None else 1 << 30)
+        return
+    with as_config_error():
+        num_kept(ret.ratio, num_layers or 1)
+    if ret.name in SCORED:
+        for key in ("seq_len", "num_windows", "batch_size"):
+            positive_int(f"retention.{key}", ret[key])
+
+
+def check_data(cfg) -> None:
+    data = cfg.data
+    one_of("data.source", data.source, sorted(SOURCES))
+    for key in ("calibration_docs", "evaluation_docs"):
+        positive_int(f"data.{key}", data[key])
+    if data.source == "datasets":
+        check_dataset_reachable(data)
+    if data.source == "files":
+        if not data.get("files"):
+            raise ConfigError("data.files=[]; data.source=files needs at least one .txt or .jsonl file")
+        for path in data.files:
+            existing_file("data.files", path)
+    stems = [data.name]
+    for path in data.get("eval_files") or []:
+        existing_file("data.eval_files", path)
+        stems.append(Path(path).stem)
+    repeated = sorted({s for s in stems if stems.count(s) > 1})
+    if repeated:
+        raise ConfigError(f"data.eval_files: eval set name {repeated[0]!r} is used twice (eval sets are named by "
+                          f"file stem; the held-out split is {data.name!r})")
+
+
+def existing_file(key: str, path) -> None:
+    if not Path(str(path)).expanduser().is_file():
+        raise ConfigError(f"{key}: {str(path)!r} does not exist (or is not a file); expected an existing .txt or "
+                          f".jsonl file")
+
+
+def check_eval(cfg) -> None:
+    ev = cfg.eval
+    for key in ("seq_len", "num_windows", "batch_size"):
+        positive_int(f"eval.{key}", ev[key])
+    one_of("eval.harness.name", ev.harness.name, HARNESSES)
+    one_of("eval.ruler.name", ev.ruler.name, RULERS)
+
+
+def check_stages(cfg) -> None:
+    """Budgets, schedules and learning rates of every stage of `cfg.stage`."""
+    for kind, node, prefix in stages_of(cfg.stage):
+        one_of(f"{prefix}.kind", kind, sorted(STAGES))
+        for key in BUDGET_KEYS:
+            positive_int(f"{prefix}.{key}", node.get(key))
+        if node.eval_every_tokens > node.max_tokens:
+            raise ConfigError(f"{prefix}.eval_every_tokens={node.eval_every_tokens} is larger than "
+                              f"{prefix}.max_tokens={node.max_tokens}")
+        devices = world_size(cfg.trainer)
+        tokens_per_step = node.batch_size * node.seq_len * devices
+        if node.max_tokens < tokens_per_step:
+            raise ConfigError(f"{prefix}.max_tokens={node.max_tokens} is less than one step of {tokens_per_step} "
+                              f"tokens ({prefix}.batch_size x {prefix}.seq_len x {devices} devices)")
+        for key in ("lr", "lr_mixer", "lr_rest"):
+            if key in node:
+                positive_number(f"{prefix}.{key}", node[key], "a learning rate > 0")
+        one_of(f"{prefix}.schedule", node.schedule, SCHEDULES)
+        betas = list(node.betas)
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise ConfigError(f"{prefix}.betas={betas}; expected two numbers in [0, 1)")
+        positive_number(f"{prefix}.grad_clip", node.grad_clip)
+        if "kl_chunk_size" in node:
+            positive_int(f"{prefix}.kl_chunk_size", node.kl_chunk_size)
+        if node.get("teacher_dtype") is not None:
+            one_of(f"{prefix}.teacher_dtype", node.teacher_dtype, sorted(_DTYPES))
+
+
+def check_trainer(cfg) -> None:
+    trainer = cfg.trainer
+    accelerator, strategy = str(trainer.accelerator), str(trainer.get("strategy", "auto"))
+    one_of("trainer.accelerator", accelerator, ACCELERATORS)
+    precision = str(trainer.precision)
+    one_of("trainer.precision", precision, PRECISIONS)
+    gpus = torch.cuda.device_count()
+    wants_gpu = accelerator in ("gpu", "cuda") or any(s in strategy for s in ("fsdp", "deepspeed"))
+    if wants_gpu and gpus == 0:
+        raise ConfigError(f"trainer.accelerator={accelerator!r} (strategy {strategy!r}) needs a GPU, but no GPU is "
+                          f"visible here (torch.cuda.device_count() == 0); expected trainer=cpu on this machine")
+    devices = trainer.get("devices", 1)
+    if wants_gpu and isinstance(devices, int) and devices > gpus:
+        raise ConfigError(f"trainer.devices={devices}; only {gpus} GPUs are visible")
+    if accelerator == "cpu" and precision in ("16-mixed", "16"):
+        raise ConfigError(f"trainer.precision={precision!r} is not supported on the CPU; expected 32-true, "
+                          f"bf16-mixed or bf16-true")
+    if wants_gpu and "bf16" in precision and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"trainer.precision={precision!r}: this GPU has no bfloat16; expected 16-mixed or 32-true")
+
+
+def check_teacher(cfg) -> None:
+    teacher = cfg.teacher
+    one_of("teacher.dtype", teacher.dtype, sorted(_DTYPES))
+    if not any(teacher.get(k) for k in ("path", "gguf_file", "config")):
+        raise ConfigError(f"teacher {teacher.name!r} names no weights; expected one of teacher.path (a local model "
+                          f"folder or hub id), teacher.gguf_file, teacher.config")
+    if not isinstance(teacher.get("trust_remote_code", False), bool):
+        raise ConfigError(f"teacher.trust_remote_code={teacher.trust_remote_code!r}; expected true or false")
+    if teacher.get("path"):
+        check_pretrained_path("teacher.path", str(teacher.path), model=True)
+    tokenizer = teacher.get("tokenizer")
+    if tokenizer is not None and tokenizer.get("path"):
+        check_pretrained_path("teacher.tokenizer.path", str(tokenizer.path), model=False)
+
+
+def check_pretrained_path(key: str, path: str, model: bool) -> None:
+    """A local folder (a model folder holds config.json), or a hub id that is reachable or already cached."""
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if model and not (folder / "config.json").is_file():
+            raise ConfigError(f"{key}={path!r} is not a model folder (no config.json); expected a folder written by "
+                              f"save_pretrained, or a hub id")
+        return
+    if folder.exists() or looks_local(path):
+        raise ConfigError(f"{key}={path!r}: no such local folder; expected a model folder or a hub id (org/name)")
+    if hub_offline() and not hub_cached(path):
+        raise ConfigError(f"{key}={path!r} is a hub id, but HF_HUB_OFFLINE is set and it is not in the local hub "
+                          f"cache; pass a local path: {key}=/local/folder")
+
+
+def hub_cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+def check_logger(cfg) -> None:
+    one_of("logger.name", cfg.logger.name, LOGGERS)
+
+
+def check_seed(cfg) -> None:
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed!r}; expected an integer >= 0")
+
+
+# ------------------------------------------------------------------------------------------------ teacher shape
+
+
+def configured_shape(cfg) -> tuple[int | None, int | None]:
+    """(layers, context) of the teacher when known without loading it: a config teacher, or a local folder's
+    config.json. (None, None) otherwise (GGUF, hub): checked after loading instead."""
+    teacher = cfg.teacher
+    if teacher.get("path"):
+        config_file = Path(str(teacher.path)).expanduser() / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    else:
+        config = dict(teacher.get("config") or {})
+    return config.get("num_hidden_layers"), config.get("max_position_embeddings")
+
+
+def check_lengths(cfg, context: int | None) -> None:
+    """Every sequence the run feeds the teacher fits its context."""
+    if context is None:
+        return
+    lengths = [("eval.seq_len", cfg.eval.seq_len)]
+    if init_phases(cfg):
+        lengths.append(("calibration.seq_len", cfg.calibration.seq_len))
+    if cfg.retention.name in SCORED:
+        lengths.append(("retention.seq_len", cfg.retention.seq_len))
+    lengths += [(f"{prefix}.seq_len", node.seq_len) for _, node, prefix in stages_of(cfg.stage)]
+    if cfg.eval.ruler.name != "none":
+        lengths.append(("eval.ruler.lengths", max(cfg.eval.ruler.lengths)))
+    for key, value in lengths:
+        if value > context:
+            raise ConfigError(f"{key}={value} is beyond the teacher's context of {context} tokens")
+
+
+def check_teacher_shape(cfg, num_layers: int | None, context: int | None) -> None:
+    if num_layers is not None:
+        check_retention(cfg, num_layers)
+    check_lengths(cfg, context)
+
+
+# ------------------------------------------------------------------------------------------------ entries
+
+
+def validate_config(cfg) -> None:
+    """Everything checkable before the teacher loads; raises ConfigError."""
+    for check in (check_seed, check_teacher, check_trainer, check_init, check_calibration, check_data, check_eval,
+                  check_stages, check_logger):
+        check(cfg)
+    check_retention(cfg, None)
+    check_teacher_shape(cfg, *configured_shape(cfg))
+
+
+def validate_loaded(ctx) -> None:
+    """What needs the loaded teacher and documents; still before anything is written."""
+    cfg, config = ctx.cfg, ctx.teacher.config
+    check_teacher_shape(cfg, config.num_hidden_layers, getattr(config, "max_position_embeddings", None))
+    check_split_tokens(ctx)
+
+
+def check_split_tokens(ctx) -> None:
+    """Each split holds the tokens its windows need: calibration batch (and its held-out check windows),
+    scoring windows, evaluation windows per eval set (a short eval file is named)."""
+    from tcal.data import eval_sets
+
+    cfg = ctx.cfg
+    needs = []  # (what, tokens needed, documents)
+    cal = cfg.calibration
+    if init_phases(cfg):
+        windows = 2 * cal.batch_size - 1 if cal.check and cal.batch_size > 1 else cal.batch_size
+        needs.append((f"calibration.batch_size={cal.batch_size} windows of calibration.seq_len={cal.seq_len}"
+                      + (" (with calibration.check=true, the unseen windows between them too)" if cal.check else ""),
+                      windows * cal.seq_len, ctx.splits.calibration, "the calibration split"))
+    ret = cfg.retention
+    if ret.name in SCORED and num_kept(ret.ratio, ctx.num_layers) < ctx.num_layers:
+        needs.append((f"retention.num_windows={ret.num_windows} windows of retention.seq_len={ret.seq_len}",
+                      ret.num_windows * ret.seq_len, ctx.splits.calibration, "the calibration split"))
+    files = {Path(p).stem: str(p) for p in cfg.data.get("eval_files") or []}
+    for name, docs in eval_sets(cfg.data, ctx.splits).items():
+        source = f"data.eval_files entry {files[name]!r}" if name in files else "the evaluation split"
+        needs.append((f"eval.num_windows={cfg.eval.num_windows} windows of eval.seq_len={cfg.eval.seq_len}",
+                      cfg.eval.num_windows * cfg.eval.seq_len, docs, source))
+    counts: dict[int, int] = {}
+    for what, need, docs, source in needs:
+        have = counts.setdefault(id(docs), token_stream(docs, ctx.tokenizer).numel())
+        if have < need:
+            raise ConfigError(f"{what} need {need} tokens, but {source} has {have}; lower them or give more text")

@@ -1,0 +1,130 @@
+"""Numerical faults (issue 11, item 2): degenerate calibration statistics still give finite parameters; a NaN
+loss in Phase 2, Stage 1 or Stage 2 stops that work naming the layer, step and tokens, and keeps the last
+checkpoint and results.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import compose, isolated_cache_dir, make_teacher
+
+from tcal.calibration import align as align_module
+from tcal.calibration.phase1 import apply_phase1
+from tcal.calibration.stats import LayerStats, blockwise_attention, collect_teacher_stats
+from tcal.convert import naive_gdn
+from tcal.pipeline import run
+from tcal.training import stages as stages_module
+
+B, T, H, DH, D = 2, 24, 4, 16, 64
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return make_teacher("llama")
+
+
+@pytest.fixture(scope="module")
+def phase1_cfg():
+    return compose("experiment=smoke").calibration.phase1
+
+
+def assert_finite(gdn) -> None:
+    bad = [name for name, p in gdn.named_parameters() if not torch.isfinite(p).all()]
+    assert not bad, f"non-finite parameters: {bad}"
+
+
+def stats_from(teacher, layer: int, **changes) -> LayerStats:
+    """Real statistics of `layer` on random tokens, with fields replaced by degenerate values."""
+    tokens = torch.randint(3, teacher.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    stats = collect_teacher_stats(teacher, tokens, layers=[layer])[layer]
+    return LayerStats(**{**stats.__dict__, **changes})
+
+
+def test_a_head_attending_only_to_itself_gives_the_distance_floor():
+    q = torch.nn.functional.normalize(torch.randn(1, 2, 12, 8), dim=-1)
+    _, dist, ent, count = blockwise_attention(q, q.clone(), torch.randn(1, 2, 12, 8), scaling=1e4)
+    assert torch.allclose(dist / count, torch.full((2,), 0.5, dtype=torch.float64))
+    assert torch.allclose(ent / count, torch.zeros(2, dtype=torch.float64), atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["self_only", "below_floor", "equal_entropy", "zero_context", "constant_context"])
+def test_degenerate_statistics_give_finite_parameters(case, teacher, phase1_cfg):
+    changes = {
+        "self_only": {"mean_distance": torch.full((H,), 0.5), "mean_entropy": torch.zeros(H)},
+        "below_floor": {"mean_distance": torch.full((H,), 1e-6)},
+        "equal_entropy": {"mean_entropy": torch.full((H,), 2.0)},
+        "zero_context": {"context": torch.zeros(B, T, H, DH)},
+        "constant_context": {"context": torch.ones(B, T, H, DH)},
+    }[case]
+    gdn = naive_gdn(teacher, 1)
+    record = apply_phase1(gdn, stats_from(teacher, 1, **changes), phase1_cfg)
+    assert_finite(gdn)
+    assert all(torch.isfinite(torch.tensor(record[k])).all() for k in ("gamma", "beta_target", "sigma", "alpha"))
+    if case == "below_floor":
+        assert record["gamma"] == pytest.approx([phase1_cfg.gamma_max] * H)  # clipped, not infinite
+    if case == "equal_entropy":
+        assert record["beta_target"] == pytest.approx([phase1_cfg.beta_low + phase1_cfg.beta_span] * H)
+
+
+@pytest.mark.parametrize("padded_rows", [1, 2], ids=["one_all_padding_sequence", "all_padding"])
+def test_all_padding_sequences_give_finite_statistics_and_parameters(padded_rows, teacher, phase1_cfg):
+    tokens = torch.randint(3, teacher.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[:padded_rows] = 0
+    stats = collect_teacher_stats(teacher, tokens, attention_mask=mask, layers=[1])[1]
+    for field in ("mean_distance", "mean_entropy", "inputs", "context", "attn_output"):
+        assert torch.isfinite(getattr(stats, field)).all(), field
+    gdn = naive_gdn(teacher, 1)
+    apply_phase1(gdn, stats, phase1_cfg, mask)
+    assert_finite(gdn)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A NaN loss stops the work
+
+
+def nan_after(real, calls: int):
+    """`real`, except that its loss is NaN from call number `calls` on."""
+    count = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        count["n"] += 1
+        out = real(*args, **kwargs)
+        if count["n"] < calls:
+            return out
+        return (out[0] * float("nan"), out[1]) if isinstance(out, tuple) else out * float("nan")
+
+    return wrapped
+
+
+def test_nan_in_phase2_names_layer_step_and_tokens(tmp_path, monkeypatch):
+    monkeypatch.setattr(align_module, "alignment_loss", nan_after(align_module.alignment_loss, 3))
+    cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", "init=phase2")
+    with pytest.raises(FloatingPointError, match=r"phase 2: alignment loss of layer 1 is nan at step 2 "
+                                                 r"\(128 calibration tokens\)"):
+        run(cfg, tmp_path / "run")
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["status"] == "converted"  # the record of what was done, nothing of the failed init
+    assert not list((tmp_path / "cache" / "calibration").rglob("*.safetensors"))  # no artifact of a failed layer
+
+
+@pytest.mark.parametrize("kind,target,match", [
+    ("align", "alignment_loss", r"align: alignment loss of layer 1 is nan at step 4 \(tokens_seen 320\)"),
+    ("distill", "chunked_kd_loss", r"distill: loss is nan at step 4 \(tokens_seen 320\)"),
+])
+def test_nan_in_a_stage_stops_it_keeping_checkpoint_and_results(kind, target, match, tmp_path, monkeypatch):
+    calls_per_step = 2 if kind == "align" else 1  # align: one loss per GDN layer (1 and 3)
+    monkeypatch.setattr(stages_module, target, nan_after(getattr(stages_module, target), 4 * calls_per_step + 1))
+    cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", "init=zero_gate",
+                  "eval.num_windows=2", f"stage={kind}", "stage.batch_size=2", "stage.seq_len=32",
+                  "stage.max_tokens=640", "stage.eval_every_tokens=192", *(["stage.cache=false"] if kind == "align" else []))
+    with pytest.raises(FloatingPointError, match=match):
+        run(cfg, tmp_path / "run")
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["status"] == "initialized"
+    assert [p["tokens"] for p in results["curve"]["shakespeare"]] == [0, 192]  # the points before the fault
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / kind / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 3 and checkpoint["tcal"]["tokens_seen"] == 192
+    assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values())

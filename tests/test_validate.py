@@ -1,0 +1,136 @@
+"""Config validation (issue 11, item 1): every bad setting fails before work with a ConfigError naming the key,
+the bad value and what is allowed, and leaves no results.json; at the `tcal` entry it is one line on stderr
+and exit code 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+from conftest import repo_cache_dir
+from test_errors import run_fails
+
+from tcal.app import CONF_DIR, check_group_overrides
+from tcal.errors import ConfigError
+
+# (overrides, the message's expected pattern); "{tmp}" stands for the test's tmp_path.
+CASES = [
+    # retention
+    (["retention.ratio=1.5"], r"retention.ratio=1.5 must lie in \(0, 1\]"),
+    (["retention.ratio=0"], r"retention.ratio=0.0 must lie in \(0, 1\]"),
+    (["retention=explicit", "retention.keep=[0,4]"], r"keep_layers \[4\] out of range for a teacher with 4 layers"),
+    (["retention=explicit", "retention.keep=[1,1,3]"], r"keep_layers repeats \[1\]"),
+    (["retention=explicit"], r"retention.keep=None; expected a list of layer indices"),
+    (["retention=ar", "retention.num_windows=0"], r"retention.num_windows=0; expected a positive integer"),
+    (["retention=uniform", "retention.name=best"], r"retention.name='best'; expected one of ar, explicit, ga_s2"),
+    # budgets and lengths
+    (["stage=distill", "stage.max_tokens=0"], r"stage.max_tokens=0; expected a positive integer"),
+    (["stage=distill", "stage.batch_size=-2"], r"stage.batch_size=-2; expected a positive integer"),
+    (["stage=distill", "stage.eval_every_tokens=200000"],
+     r"stage.eval_every_tokens=200000 is larger than stage.max_tokens=100000"),
+    (["stage=distill", "stage.seq_len=8192"], r"stage.seq_len=8192 is beyond the teacher's context of 4096 tokens"),
+    (["eval.seq_len=5000"], r"eval.seq_len=5000 is beyond the teacher's context of 4096 tokens"),
+    (["calibration.seq_len=10000"], r"calibration.seq_len=10000 is beyond the teacher's context of 4096"),
+    (["eval.num_windows=0"], r"eval.num_windows=0; expected a positive integer"),
+    (["calibration.batch_size=64", "calibration.seq_len=2048"],
+     r"calibration.batch_size=64 windows of calibration.seq_len=2048 .* need 260096 tokens, but the calibration "
+     r"split has \d+"),
+    # phases, learning rates, schedules
+    (["init.phases=[phase1,phase3]"], r"init.phases=\['phase1', 'phase3'\]; expected a non-empty list without "
+                                      r"repeats of phase1, phase2"),
+    (["init.gqa_expansion=rows"], r"init.gqa_expansion='rows'; expected one of whole_head, row_repeat"),
+    (["stage=align", "stage.lr=0"], r"stage.lr=0; expected a learning rate > 0"),
+    (["stage=distill", "stage.lr_mixer=-1e-4"], r"stage.lr_mixer=-0.0001; expected a learning rate > 0"),
+    (["calibration.phase2.lr_dynamics=0"], r"calibration.phase2.lr_dynamics=0; expected a learning rate > 0"),
+    (["calibration.phase1.gamma_max=1e-4"], r"calibration.phase1.gamma_max=0.0001; expected a number >= "
+                                            r"calibration.phase1.gamma_min=0.001"),
+    (["stage=align", "stage.schedule=linear"], r"stage.schedule='linear'; expected one of constant, cosine"),
+    (["logger.name=tensorboard"], r"logger.name='tensorboard'; expected one of none, csv, wandb"),
+    (["seed=-1"], r"seed=-1; expected an integer >= 0"),
+    # dtypes and devices
+    (["teacher.dtype=float64"], r"teacher.dtype='float64'; expected one of bfloat16, float16, float32"),
+    (["stage=distill", "stage.teacher_dtype=int8"], r"stage.teacher_dtype='int8'; expected one of bfloat16"),
+    (["trainer.precision=16-mixed"], r"trainer.precision='16-mixed' is not supported on the CPU"),
+    (["trainer=gpu"], r"trainer.accelerator='gpu' .* needs a GPU, but no GPU is visible"),
+    (["trainer.strategy=fsdp"], r"strategy 'fsdp'\) needs a GPU, but no GPU is visible"),
+    # paths and files
+    (["+teacher.path={tmp}/not_a_model"], r"teacher.path='.*/not_a_model' is not a model folder \(no config.json\)"),
+    (["teacher=qwen2_5_1_5b", "teacher.path=/nonexistent/x"], r"teacher.path='/nonexistent/x': no such local folder"),
+    (["teacher=qwen2_5_1_5b"], r"teacher.path='Qwen/Qwen2.5-1.5B' is a hub id, but HF_HUB_OFFLINE is set .* pass a "
+                               r"local path: teacher.path=/local/folder"),
+    (["data.eval_files=[{tmp}/missing.txt]"], r"data.eval_files: '.*/missing.txt' does not exist"),
+    (["data.source=files", "data.files=[{tmp}/nope.txt]"], r"data.files: '.*/nope.txt' does not exist"),
+    (["data.eval_files=[{tmp}/short.txt]"], r"eval.num_windows=4 windows of eval.seq_len=64 need 256 tokens, but "
+                                            r"data.eval_files entry '.*/short.txt' has \d+"),
+    (["data.eval_files=[{tmp}/shakespeare.txt]"], r"eval set name 'shakespeare' is used twice"),
+    (["data.calibration_docs=0"], r"data.calibration_docs=0; expected a positive integer"),
+    (["data=wikitext"], r"data.dataset='Salesforce/wikitext' could not be loaded: .* \(offline, and not in the "
+                        r"datasets cache"),
+]
+
+
+@pytest.fixture
+def offline_and_no_gpu(tmp_path, monkeypatch):
+    """No GPU (whatever the machine has), hub offline with an empty hub cache, and the files the cases name."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    (tmp_path / "not_a_model").mkdir()
+    (tmp_path / "short.txt").write_text("Too short to hold four windows.")
+    (tmp_path / "shakespeare.txt").write_text("An eval file named like the held-out split. " * 50)
+    return tmp_path
+
+
+@pytest.mark.parametrize("overrides,match", CASES, ids=[" ".join(o) for o, _ in CASES])
+def test_bad_setting_is_named_before_any_work(overrides, match, compose_cfg, offline_and_no_gpu):
+    tmp = offline_and_no_gpu
+    overrides = [o.replace("{tmp}", str(tmp)) for o in overrides]
+    err = run_fails(compose_cfg, tmp, ConfigError, match, *overrides)
+    assert "\n" not in str(err)  # one line on the console
+
+
+def test_the_table_covers_at_least_25_cases():
+    assert len(CASES) >= 25 and len({tuple(o) for o, _ in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["stage=bogus"], r"stage='bogus': no such option in config group 'stage'; expected one of align, "
+                      r"align_distill, distill, none"),
+    (["experiment=smoke", "init=naive,fancy"], r"init='fancy': no such option in config group 'init'"),
+    (["eval/harness=nope"], r"eval/harness='nope': no such option in config group 'eval/harness'"),
+])
+def test_unknown_group_option(args, match):
+    with pytest.raises(ConfigError, match=match):
+        check_group_overrides(args)
+
+
+def test_known_group_options_and_plain_keys_pass():
+    check_group_overrides(["experiment=smoke", "init=naive,full", "+stage=distill", "stage.seq_len=3",
+                           "eval/harness=none", "hydra.run.dir=x", "retention=glob(*)", "data.files=[a.txt]"])
+
+
+def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TCAL_CACHE_DIR": repo_cache_dir()}
+    return subprocess.run([sys.executable, "-m", "tcal.app", "experiment=smoke", f"hydra.run.dir={tmp_path / 'run'}",
+                           *args], cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["retention.ratio=1.5"], "retention.ratio=1.5 must lie in (0, 1]"),
+    (["stage=bogus"], "stage='bogus': no such option in config group 'stage'"),
+])
+def test_entry_prints_one_line_and_exits_2(args, message, tmp_path):
+    done = tcal(tmp_path, *args)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert lines == [f"tcal: configuration error: {lines[0].split(': ', 2)[2]}"] and message in lines[0], lines
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not (tmp_path / "run" / "results.json").exists()
