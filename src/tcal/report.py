@@ -20,7 +20,7 @@ from tcal.evaluate.local_tasks import nlu_average
 from tcal.results import write_atomic, write_text_atomic
 from tcal.tracking import finish, log_table, wandb_logger
 
-INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full")
+INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full", "full_plus")
 ABLATION_INITS = ("naive", "zero_gate", "phase1", "phase2", "full")
 TARGET_MULTIPLES = (1.10, 1.15, 1.20, 1.25, 1.5, 2.0, 3.0)
 MISSING = "-"
