@@ -151,7 +151,10 @@ TINY_PAPER = ["data=shakespeare", "trainer=cpu", "trainer.devices=1", "eval/harn
               "calibration.batch_size=2", "calibration.seq_len=64", "calibration.phase2.steps=3",
               *(f"stage.{kind}.{key}={value}" for kind in ("align", "distill") for key, value in
                 (("max_tokens", 128), ("eval_every_tokens", 64), ("batch_size", 2), ("seq_len", 32)))]
-EXTRA_TINY: dict[str, list[str]] = {name: TINY_PAPER for name in PAPER_EXPERIMENTS}
+TINY_STAGE = [f"stage.{key}={value}" for key, value in (("max_tokens", 128), ("eval_every_tokens", 64),
+                                                         ("batch_size", 2), ("seq_len", 32))]
+EXTRA_TINY: dict[str, list[str]] = {**{name: TINY_PAPER for name in PAPER_EXPERIMENTS},
+                                    "smollm2_135m_uniform_r050_distill": ["init=zero_gate", *TINY_STAGE]}
 
 
 def tcal_command() -> list[str]:
