@@ -171,7 +171,7 @@ def test_full_plus_end_to_end_and_cached(tmp_path):
         assert list(record["phase1"]) == ["sigma"]  # the configured rules only
         assert record["phase1"]["sigma"] == pytest.approx([0.1] * 4)  # pinned by the recipe's clip
         assert len(record["phase2"]["losses"]) == 6
-    artifacts = list((Path(cache) / "calibration" / "tiny_llama").glob("*.pt"))
+    artifacts = list((Path(cache) / "calibration" / "tiny_llama").glob("*.safetensors"))
     assert len(artifacts) == 2
 
     second = run_full_plus(tmp_path, cache, "second")
@@ -180,4 +180,4 @@ def test_full_plus_end_to_end_and_cached(tmp_path):
 
     changed = run_full_plus(tmp_path, cache, "changed", "init.phase2.lr_projections=3e-4")
     assert all(r["cached"] is False for r in changed["calibration"]["layers"].values())
-    assert len(list((Path(cache) / "calibration" / "tiny_llama").glob("*.pt"))) == 4
+    assert len(list((Path(cache) / "calibration" / "tiny_llama").glob("*.safetensors"))) == 4
