@@ -192,3 +192,4 @@ def test_tables_pick_runs_by_stage_and_after_training(tmp_path):
         ["t1", "uniform", "0.5", "shakespeare", "full", "100", "28.00", "0.300", "-", "400", "21.00", "0.400", "-"],
     ]
     assert "duplicate" not in (tmp_path / "r" / "report.md").read_text()
+    assert [p.name for p in (tmp_path / "r").glob("*.png")] == ["curve_t1_uniform_r0.5_shakespeare.png"]  # Stage 2

@@ -354,7 +354,7 @@ def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
 
     paths = []
     inits = _init_columns(runs)
-    for (teacher, policy, ratio), by_init in _groups(runs).items():
+    for (teacher, policy, ratio), by_init in _groups(runs, EFFICIENCY_STAGES).items():
         for eval_set in sorted({s for run in by_init.values() for _, p in run.curve for s in p}):
             fig, ax = plt.subplots(figsize=(6, 4))
             for init in (i for i in inits if i in by_init and _series(by_init[i], eval_set)):
