@@ -1,54 +1,81 @@
-"""Forward KL(teacher || student) on next-token distributions, in chunks of tokens (DESIGN section 7).
+"""Forward KL(teacher || student) on next-token distributions, fused with the output head, in chunks of tokens
+(DESIGN section 7).
 
 The logits of a batch ([tokens, vocab] in float32) are the largest tensors of distillation: 2048 tokens of a
-49k vocabulary are 400 MB per model. Here they exist one chunk at a time: each chunk's student logits are
-recomputed in the backward pass from the final hidden state (activation checkpointing), so neither model's
-full-batch logits are ever held, and memory grows with `chunk_size`, not with the batch.
+49k vocabulary are 400 MB per model. Here they exist one chunk at a time. The gradient of the loss with respect
+to a chunk's student logits has a closed form (softmax(student) - teacher probabilities, plus the CE term), so
+each chunk's gradients with respect to the final hidden states and the head's weight are computed in the forward
+pass and the logits are dropped at once: no recomputation, and memory grows with `chunk_size`, not the batch.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_sums(student_hidden, teacher_hidden, student_head, teacher_head, targets, ce_rows):
-    """(summed KL, summed next-token CE over `ce_rows`) of one chunk: hidden [n, D], targets [n], ce_rows [n]."""
-    with torch.no_grad():
-        teacher_logp = F.log_softmax(teacher_head(teacher_hidden).float(), dim=-1)
-    student_logp = F.log_softmax(student_head(student_hidden).float(), dim=-1)
-    kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum()
-    ce = -(student_logp.gather(-1, targets[:, None])[:, 0] * ce_rows).sum()
-    return kl, ce
+class _FusedHeadKL(torch.autograd.Function):
+    """loss = mean KL(teacher || student) + ce_weight * mean CE over rows, for student logits = hidden @ weight.T.
+
+    Returns (loss, kl, ce); only `loss` carries a gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, targets, ce_rows, ce_weight, chunk_size):
+        count, ce_count = hidden.shape[0], max(float(ce_rows.sum()), 1.0)
+        w = weight.float()
+        grad_hidden = torch.empty_like(hidden, dtype=torch.float32)
+        grad_weight = torch.zeros_like(w)
+        kl_sum = ce_sum = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, count, chunk_size):
+            rows = slice(start, start + chunk_size)
+            h = hidden[rows].float()
+            teacher_logp = F.log_softmax(teacher_hidden[rows].float() @ teacher_weight.float().T, dim=-1)
+            student_logp = F.log_softmax(h @ w.T, dim=-1)
+            teacher_p, student_p = teacher_logp.exp(), student_logp.exp()
+            kl_sum = kl_sum + (teacher_p * (teacher_logp - student_logp)).sum()
+            picked = student_logp.gather(-1, targets[rows, None])[:, 0]
+            ce_sum = ce_sum - (picked * ce_rows[rows]).sum()
+            grad_logits = (student_p - teacher_p) / count  # d mean-KL / d logits
+            if ce_weight:
+                onehot = torch.zeros_like(student_p).scatter_(-1, targets[rows, None], 1.0)
+                grad_logits += (ce_weight / ce_count) * (student_p - onehot) * ce_rows[rows, None]
+            grad_hidden[rows] = grad_logits @ w
+            grad_weight += grad_logits.T @ h
+        ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype))
+        kl, ce = kl_sum / count, ce_sum / ce_count
+        loss = kl + ce_weight * ce  # a tensor of its own: kl and ce are returned without gradients
+        ctx.mark_non_differentiable(kl, ce)
+        return loss, kl, ce
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_kl, _grad_ce):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None, None
 
 
 def chunked_kd_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head, teacher_head,
-                    input_ids: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int = 1024,
+                    input_ids: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int = 256,
                     ce_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Mean KL(teacher || student) over valid tokens + ce_weight * mean next-token CE.
 
-    hidden: [B, T, D] final hidden states, mapped to logits by the heads; input_ids, mask: [B, T] (mask 1 =
-    token, None = all). Every position of the sequence is distilled; CE skips positions whose next token is
-    missing or padded. Returns (loss, {"kl": float, "ce": float}).
+    hidden: [B, T, D] final hidden states; the heads are bias-free `nn.Linear` output layers. input_ids, mask:
+    [B, T] (mask 1 = token, None = all). Every position of the sequence is distilled; CE skips positions whose
+    next token is missing or padded. Returns (loss, {"kl": float, "ce": float}).
     """
     if chunk_size < 1:
         raise ValueError(f"stage.kl_chunk_size={chunk_size}; expected >= 1")
+    for head in (student_head, teacher_head):
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("the fused KL expects output heads without a bias")
     B, T, _ = student_hidden.shape
     valid = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if mask is None else mask.bool()
     targets = torch.zeros_like(input_ids)
     targets[:, :-1] = input_ids[:, 1:]
     has_next = torch.zeros_like(valid)
     has_next[:, :-1] = valid[:, :-1] & valid[:, 1:]
-    rows = (student_hidden[valid], teacher_hidden[valid], targets[valid], has_next[valid].float())
-    count, ce_count = rows[0].shape[0], int(has_next.sum())
-    if count == 0:
+    if not bool(valid.any()):
         raise ValueError("the batch has no valid (unpadded) tokens to distill")
-    kl_sum = ce_sum = student_hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, count, chunk_size):
-        s_h, t_h, tgt, ce_rows = (r[start:start + chunk_size] for r in rows)
-        kl, ce = checkpoint(_chunk_sums, s_h, t_h, student_head, teacher_head, tgt, ce_rows, use_reentrant=False)
-        kl_sum, ce_sum = kl_sum + kl, ce_sum + ce
-    kl_mean, ce_mean = kl_sum / count, ce_sum / max(ce_count, 1)
-    loss = kl_mean + ce_weight * ce_mean if ce_weight else kl_mean
-    return loss, {"kl": kl_mean.item(), "ce": ce_mean.item()}
+    loss, kl, ce = _FusedHeadKL.apply(student_hidden[valid], student_head.weight, teacher_hidden[valid].detach(),
+                                      teacher_head.weight.detach(), targets[valid], has_next[valid].float(),
+                                      float(ce_weight), int(chunk_size))
+    return loss, {"kl": kl.item(), "ce": ce.item()}

@@ -84,7 +84,9 @@ class StageModule(L.LightningModule):
 
     def configure_optimizers(self):
         cfg = self.cfg
-        optimizer = torch.optim.AdamW(self.parameter_groups(), betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        fused = bool(cfg.get("fused_optimizer", False)) and self.device.type in ("cpu", "cuda")
+        optimizer = torch.optim.AdamW(self.parameter_groups(), betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                                      fused=fused or None)
         return {"optimizer": optimizer,
                 "lr_scheduler": lr_schedule(optimizer, cfg.schedule, self.total_steps, cfg.get("min_lr_ratio", 0.0))}
 
