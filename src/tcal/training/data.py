@@ -102,10 +102,6 @@ class PackedTextDataModule(L.LightningDataModule):
         self.seq_len, self.batch_size, self.total_steps, self.seed = int(seq_len), int(batch_size), int(total_steps), seed
         self.windows = pack(cached_token_stream(train_docs, tokenizer, cache_dir), self.seq_len)
 
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.batch_size * self.seq_len
-
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         if trainer is None:

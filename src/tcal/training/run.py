@@ -59,6 +59,7 @@ class StagePlan:
     data: PackedTextDataModule
     total_steps: int
     eval_every_steps: int
+    tokens_per_step: int  # batch_size x seq_len x ranks
 
 
 def plan_stages(ctx) -> list[StagePlan]:
@@ -72,7 +73,7 @@ def plan_stages(ctx) -> list[StagePlan]:
         data = PackedTextDataModule(ctx.splits.train, ctx.tokenizer, node.seq_len, node.batch_size, total_steps,
                                     int(cfg.seed), ctx.cache_dir if node.get("cache_tokens", True) else None)
         plans.append(StagePlan(kind, node, prefix, data, total_steps,
-                               max(round(node.eval_every_tokens / tokens_per_step), 1)))
+                               max(round(node.eval_every_tokens / tokens_per_step), 1), tokens_per_step))
     return plans
 
 
@@ -84,7 +85,7 @@ class Stage1Cache:
         self.folder = folder
 
     def key(self, ctx, student, plan: StagePlan) -> str:
-        gdn_start = [tensor_bytes(t) for i in student.config.gdn_layers for t in student.gdn(i).state_dict().values()]
+        gdn_start = [tensor_bytes(t) for t in self.gdn_state(student).values()]
         return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, self.settings(plan.cfg),
                       tensor_bytes(plan.data.windows), int(ctx.cfg.seed), world_size(ctx.cfg.trainer))
 
@@ -129,7 +130,8 @@ def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Tr
     # max_epochs=-1: the sampler ends the data at max_steps; with max_epochs=1 a resumed run stops early (tested)
     return L.Trainer(
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.get("num_nodes", 1),
-        strategy=strategy, precision=trainer_cfg.precision, max_steps=plan.total_steps, max_epochs=-1, gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
+        strategy=strategy, precision=trainer_cfg.precision, max_steps=plan.total_steps, max_epochs=-1,
+        gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
         callbacks=[*callbacks, checkpoint], default_root_dir=str(run_dir), use_distributed_sampler=False,
         limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1, enable_model_summary=False,
         deterministic=trainer_cfg.get("deterministic", False),
@@ -162,8 +164,7 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool) -> 
         return cached
     windows = {name: token_windows(docs, ctx.tokenizer, int(cfg.eval.seq_len), int(cfg.eval.num_windows))
                for name, docs in eval_sets(cfg.data, ctx.splits).items()}
-    tokens_per_step = plan.data.tokens_per_batch * world_size(cfg.trainer)
-    curve = PerplexityCurve(windows, plan.eval_every_steps * tokens_per_step, int(cfg.eval.batch_size), on_curve)
+    curve = PerplexityCurve(windows, plan.eval_every_steps * plan.tokens_per_step, int(cfg.eval.batch_size), on_curve)
     module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps)
     trainer = make_trainer(cfg, plan, ctx.run_dir, logger, [curve, *ctx.extra_callbacks])
     last = ctx.run_dir / "checkpoints" / plan.kind / "last.ckpt"
@@ -177,7 +178,7 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool) -> 
     student.requires_grad_(False)
     record = {
         "kind": plan.kind, "settings": plain(plan.cfg), "steps": int(trainer.global_step),
-        "tokens_seen": module.tokens_seen, "tokens_per_step": tokens_per_step, "world_size": trainer.world_size,
+        "tokens_seen": module.tokens_seen, "tokens_per_step": plan.tokens_per_step, "world_size": trainer.world_size,
         "seconds_this_process": round(seconds, 2), "loss_first": module.loss_first, "loss_last": module.loss_last,
         "rank_weight_digests": module.rank_weight_digests, "curve": curve.curve, "resumed": ckpt_path is not None,
         "cached": False,
