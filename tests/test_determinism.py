@@ -9,6 +9,7 @@ from conftest import compose, isolated_cache_dir
 from safetensors.torch import load_file
 
 from tcal.convert import build_student
+from tcal.fingerprint import weights_digest
 from tcal.init import init_student
 from tcal.pipeline import prepare, run
 
@@ -54,7 +55,19 @@ def test_same_seed_gives_an_identical_stage2_curve(tmp_path):
     first, second = distill("a"), distill("b")
     assert first["stages"]["distill"]["cached"] is False and first["calibration"]["layers"]["1"]["cached"] is False
     assert [p["tokens"] for p in first["curve"]["shakespeare"]] == [0, 128, 256]
+    assert first["init_weights_digest"] == second["init_weights_digest"]
     assert first["curve"] == second["curve"]  # exact floats, not approximately
     assert first["stages"]["distill"]["loss_last"] == second["stages"]["distill"]["loss_last"]
     a, b = (load_file(tmp_path / name / "run" / "student" / "model.safetensors") for name in ("a", "b"))
     assert bit_identical(a, b)
+
+
+def test_weights_digest_changes_with_one_ulp_of_one_weight():
+    """`init_weights_digest` in results.json compares runs across processes, so it must see the smallest change."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3)
+    before = weights_digest(module)
+    assert weights_digest(module) == before
+    with torch.no_grad():
+        module.weight[1, 2] = torch.nextafter(module.weight[1, 2], torch.tensor(float("inf")))
+    assert weights_digest(module) != before

@@ -43,6 +43,7 @@ def multirun(tmp_path):
                                  "tcal_nextline": {"acc": 0.3, "acc_norm": 0.5}}},
             ruler={"student": {"512": {"niah_single": 1.0, "niah_multikey": 0.5},
                                "1024": {"niah_single": 0.5, "niah_multikey": 0.0}}}),
+        "uniform_full_row_repeat": _result("uniform", "full", 33.0, gqa_expansion="row_repeat"),
         "explicit_naive": _result("explicit", "naive", 2180.0, [(500, 2180.0), (2000, 90.0)]),
         "explicit_zero_gate": _result("explicit", "zero_gate", 22.9, [(500, 22.9), (1000, 21.9), (2000, 21.0)]),
         "explicit_full": _result("explicit", "full", 21.8, [(500, 21.8), (1000, 21.2), (2000, 20.5)]),
@@ -75,16 +76,19 @@ def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
 
     assert _rows(out / "zero_shot.csv") == [
         ["teacher", "policy", "ratio", "eval set", "teacher PPL", "naive", "zero_gate", "phase2", "full",
-         "teacher NLU avg", "NLU avg full", "RULER full"],
-        ["t1", "explicit", "0.5", "shakespeare", "20.00", "2,180.0", "22.90", "-", "21.80", "-", "-", "-"],
-        ["t1", "uniform", "0.5", "shakespeare", "20.00", "1,500.0", "40.00", "27.50", "25.00",
+         "full (row_repeat)", "teacher NLU avg", "NLU avg full", "RULER full"],
+        ["t1", "explicit", "0.5", "shakespeare", "20.00", "2,180.0", "22.90", "-", "21.80", "-", "-", "-", "-"],
+        ["t1", "uniform", "0.5", "shakespeare", "20.00", "1,500.0", "40.00", "27.50", "25.00", "33.00",
          "0.650", "0.450", "0.500"],
     ]
     assert _rows(out / "phase_ablation.csv") == [
-        ["teacher", "policy", "ratio", "eval set", "naive", "zero_gate", "phase1", "phase2", "full",
+        ["teacher", "policy", "ratio", "eval set", "GQA expansion", "naive", "zero_gate", "phase1", "phase2", "full",
          "naive/full", "phase2/full"],
-        ["t1", "explicit", "0.5", "shakespeare", "2,180.0", "22.90", "-", "-", "21.80", "100.00x", "n/a"],
-        ["t1", "uniform", "0.5", "shakespeare", "1,500.0", "40.00", "-", "27.50", "25.00", "60.00x", "1.10x"],
+        ["t1", "explicit", "0.5", "shakespeare", "whole_head", "2,180.0", "22.90", "-", "-", "21.80", "100.00x",
+         "n/a"],
+        ["t1", "uniform", "0.5", "shakespeare", "whole_head", "1,500.0", "40.00", "-", "27.50", "25.00", "60.00x",
+         "1.10x"],
+        ["t1", "uniform", "0.5", "shakespeare", "row_repeat", "-", "-", "-", "-", "33.00", "n/a", "n/a"],
     ]
     head = ["t1", "explicit", "0.5", "shakespeare"]
     uni = ["t1", "uniform", "0.5", "shakespeare"]
@@ -110,7 +114,7 @@ def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
         uni + ["zero_gate final", "22.80", "3,000", "893", "3.36x"],
     ]
     md = (out / "report.md").read_text()
-    assert "| t1 | uniform | 0.5 | shakespeare | 1,500.0 | 40.00 | - | 27.50 | 25.00 | 60.00x | 1.10x |" in md
+    assert "| t1 | uniform | 0.5 | shakespeare | whole_head | 1,500.0 | 40.00 | - | 27.50 | 25.00 | 60.00x | 1.10x |" in md
 
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == ["curve_t1_explicit_r0.5_shakespeare.png", "curve_t1_uniform_r0.5_shakespeare.png"]
@@ -123,7 +127,7 @@ def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
     assert "`running/results.json`: status is 'running'" in incomplete
     assert "`no_init/results.json`: missing key 'init_mode'" in incomplete
     assert "`corrupt/nested/results.json`: unreadable" in incomplete
-    assert "7 complete runs, 3 incomplete." in md
+    assert "8 complete runs, 3 incomplete." in md
 
 
 def test_other_baseline_and_out_folder(multirun, tmp_path):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
 
+from tcal.fingerprint import weights_digest
 from tcal.gdn import chunk_gated_delta_rule_torch
 from tcal.training.stages import AlignStage, DistillStage
 
@@ -194,10 +195,12 @@ def measure_init(cfg) -> dict:
     keep_layers = select_layers(cfg.retention, ctx).keep_layers
     before = _reset_peak_rss()
     start = time.perf_counter()
-    init_student(build_student(ctx.teacher, keep_layers, cfg.init.gqa_expansion), cfg.init, ctx)
+    student = build_student(ctx.teacher, keep_layers, cfg.init.gqa_expansion, int(cfg.seed))
+    init_student(student, cfg.init, ctx)
     wall = time.perf_counter() - start
     peak = _rss_kib("VmHWM") * 1024
-    return {"init": cfg.init.name, "teacher": cfg.teacher.name, "ratio": cfg.retention.get("ratio"), "seconds": wall,
+    return {"init": cfg.init.name, "init_weights_digest": weights_digest(student), "teacher": cfg.teacher.name,
+            "ratio": cfg.retention.get("ratio"), "seconds": wall,
             "peak_rss_bytes": peak, "peak_increase_bytes": peak - before, "threads": torch.get_num_threads()}
 
 

@@ -36,3 +36,8 @@ def teacher_fingerprint(teacher) -> str:
             h.update(tensor_bytes(tensor))
         cached = teacher._tcal_fingerprint = h.hexdigest()[:20]
     return cached
+
+
+def weights_digest(module) -> str:
+    """Digest of every tensor in `module.state_dict()`: equal digests mean bit-identical weights."""
+    return digest(*(tensor_bytes(t) for t in module.state_dict().values()))

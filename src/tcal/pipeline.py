@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from tcal.convert import build_student
 from tcal.data import Splits, load_splits
 from tcal.evaluate.suite import evaluate, format_table
+from tcal.fingerprint import weights_digest
 from tcal.gdn import kernel_path
 from tcal.init import init_student
 from tcal.results import write_folder_atomic, write_json_atomic
@@ -126,6 +127,7 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
 
     with timed(timings, "init"):
         results["calibration"] = init_student(student, cfg.init, ctx)
+    results["init_weights_digest"] = weights_digest(student)
     results["status"] = "initialized"
     save_results()
 

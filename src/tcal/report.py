@@ -225,16 +225,28 @@ def zero_shot_table(runs: list[Run]) -> Table:
     return header, rows
 
 
+def _split_label(label: str) -> tuple[str, str]:
+    """`init_label`'s inverse: 'full (row_repeat)' -> ('full', 'row_repeat')."""
+    init, _, gqa = label.partition(" (")
+    return init, gqa.rstrip(")") or "whole_head"
+
+
 def ablation_table(runs: list[Run]) -> Table:
-    header = ["teacher", "policy", "ratio", "eval set", *ABLATION_INITS, "naive/full", "phase2/full"]
+    """The paper's phase-ablation layout, one row per GQA expansion (plus `full_plus` when it ran)."""
+    inits = [*ABLATION_INITS, *(["full_plus"] if any(_split_label(r.init)[0] == "full_plus" for r in runs) else [])]
+    header = ["teacher", "policy", "ratio", "eval set", "GQA expansion", *inits, "naive/full", "phase2/full"]
     rows = []
     for group, by_init in _groups(runs).items():
+        expansions = sorted({_split_label(label)[1] for label in by_init}, key=lambda g: (g != "whole_head", g))
         for eval_set in _eval_sets(by_init):
-            ppl = {i: by_init[i].student_ppl.get(eval_set) if i in by_init else None for i in ABLATION_INITS}
-            full = ppl["full"]
-            ratios = [fmt_ratio(ppl[i] / full if ppl[i] is not None and full else None)
-                      for i in ("naive", "phase2")]
-            rows.append([*_row_head(group, eval_set), *(fmt_ppl(ppl[i]) for i in ABLATION_INITS), *ratios])
+            for gqa in expansions:
+                runs_here = {_split_label(label)[0]: run for label, run in by_init.items()
+                             if _split_label(label)[1] == gqa}
+                ppl = {i: runs_here[i].student_ppl.get(eval_set) if i in runs_here else None for i in inits}
+                full = ppl["full"]
+                ratios = [fmt_ratio(ppl[i] / full if ppl[i] is not None and full else None)
+                          for i in ("naive", "phase2")]
+                rows.append([*_row_head(group, eval_set), gqa, *(fmt_ppl(ppl[i]) for i in inits), *ratios])
     return header, rows
 
 

@@ -14,7 +14,7 @@ import lightning as L
 import torch
 
 from tcal.calibration.align import alignment_loss, capture_teacher_io
-from tcal.fingerprint import digest, tensor_bytes
+from tcal.fingerprint import weights_digest
 from tcal.training.kd import chunked_kd_loss
 
 
@@ -195,7 +195,3 @@ class DistillStage(StageModule):
 
 
 STAGES = {"align": AlignStage, "distill": DistillStage}
-
-
-def weights_digest(module: torch.nn.Module) -> str:
-    return digest(*(tensor_bytes(t) for t in module.state_dict().values()))
