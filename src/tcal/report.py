@@ -184,8 +184,11 @@ def _groups(runs: list[Run], stages=ZERO_SHOT_STAGES) -> dict[tuple, dict[str, R
 
 
 def _init_columns(runs: list[Run]) -> list[str]:
-    present = {run.init for run in runs}
-    return [i for i in INIT_ORDER if i in present] + sorted(present - set(INIT_ORDER))
+    """Whole-head inits in INIT_ORDER, then each other GQA expansion's inits in the same order."""
+    def order(label: str):
+        init, gqa = _split_label(label)
+        return (gqa != "whole_head", gqa, INIT_ORDER.index(init) if init in INIT_ORDER else len(INIT_ORDER), init)
+    return sorted({run.init for run in runs}, key=order)
 
 
 def _eval_sets(by_init: dict[str, Run]) -> list[str]:
