@@ -168,7 +168,7 @@ def test_full_plus_end_to_end_and_cached(tmp_path):
     assert sorted(calibration["layers"]) == ["1", "3"]
     for record in calibration["layers"].values():
         assert record["cached"] is False
-        assert list(record["phase1"]) == ["sigma"]  # the configured rules only
+        assert {"gamma", "sigma"} <= set(record["phase1"])  # the recipe's rules: all four
         assert record["phase1"]["sigma"] == pytest.approx([0.1] * 4)  # pinned by the recipe's clip
         assert len(record["phase2"]["losses"]) == 6
     artifacts = list((Path(cache) / "calibration" / "tiny_llama").glob("*.safetensors"))
@@ -178,6 +178,7 @@ def test_full_plus_end_to_end_and_cached(tmp_path):
     assert all(r["cached"] is True for r in second["calibration"]["layers"].values())
     assert second["metrics"] == first["metrics"]  # the reused layers are the computed ones
 
-    changed = run_full_plus(tmp_path, cache, "changed", "init.phase2.lr_projections=3e-4")
+    changed = run_full_plus(tmp_path, cache, "changed", "init.phase1_rules=[value_scale]")
     assert all(r["cached"] is False for r in changed["calibration"]["layers"].values())
+    assert all(list(r["phase1"]) == ["sigma"] for r in changed["calibration"]["layers"].values())  # those rules only
     assert len(list((Path(cache) / "calibration" / "tiny_llama").glob("*.safetensors"))) == 4
