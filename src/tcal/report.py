@@ -64,7 +64,8 @@ class Run:
     teacher: str
     policy: str
     ratio: float
-    init: str
+    init_mode: str
+    gqa_expansion: str
     teacher_ppl: dict[str, float]
     student_ppl: dict[str, float]
     nlu: dict[str, float | None]     # role ("teacher" / "student") -> NLU average
@@ -76,6 +77,11 @@ class Run:
     @property
     def group(self) -> tuple[str, str, float]:
         return (self.teacher, self.policy, self.ratio)
+
+    @property
+    def init(self) -> str:
+        """The init mode, marked when the conversion used a non-default GQA expansion (`full (row_repeat)`)."""
+        return self.init_mode if self.gqa_expansion == "whole_head" else f"{self.init_mode} ({self.gqa_expansion})"
 
 
 def _require(data: dict, dotted: str):
@@ -106,12 +112,6 @@ def load_run(path: Path) -> Run:
         raise IncompleteRun(f"malformed: {err}") from None
 
 
-def init_label(data: dict) -> str:
-    """The init mode, marked when the conversion used a non-default GQA expansion (`full (row_repeat)`)."""
-    init, gqa = str(_require(data, "init_mode")), data.get("gqa_expansion", "whole_head")
-    return init if gqa == "whole_head" else f"{init} ({gqa})"
-
-
 def _normalize(path: Path, data: dict) -> Run:
     metrics = _require(data, "metrics")
     ratio = data.get("ratio")
@@ -122,7 +122,8 @@ def _normalize(path: Path, data: dict) -> Run:
     harness, ruler = data.get("harness") or {}, data.get("ruler") or {}
     return Run(
         path=path, teacher=str(_require(data, "teacher.name")), policy=str(_require(data, "retention")),
-        ratio=round(float(ratio), 4), init=init_label(data),
+        ratio=round(float(ratio), 4), init_mode=str(_require(data, "init_mode")),
+        gqa_expansion=str(data.get("gqa_expansion", "whole_head")),
         teacher_ppl=_ppl_by_set(metrics, "teacher_ppl"), student_ppl=_ppl_by_set(metrics, "student_ppl"),
         nlu={role: nlu_average(harness[role]) if harness.get(role) else None for role in ("teacher", "student")},
         ruler={role: _mean(v for by_task in (ruler.get(role) or {}).values() for v in by_task.values())
@@ -185,10 +186,11 @@ def _groups(runs: list[Run], stages=ZERO_SHOT_STAGES) -> dict[tuple, dict[str, R
 
 def _init_columns(runs: list[Run]) -> list[str]:
     """Whole-head inits in INIT_ORDER, then each other GQA expansion's inits in the same order."""
-    def order(label: str):
-        init, gqa = _split_label(label)
-        return (gqa != "whole_head", gqa, INIT_ORDER.index(init) if init in INIT_ORDER else len(INIT_ORDER), init)
-    return sorted({run.init for run in runs}, key=order)
+    def order(run: Run):
+        mode = run.init_mode
+        return (run.gqa_expansion != "whole_head", run.gqa_expansion,
+                INIT_ORDER.index(mode) if mode in INIT_ORDER else len(INIT_ORDER), mode)
+    return list(dict.fromkeys(run.init for run in sorted(runs, key=order)))
 
 
 def _eval_sets(by_init: dict[str, Run]) -> list[str]:
@@ -228,23 +230,16 @@ def zero_shot_table(runs: list[Run]) -> Table:
     return header, rows
 
 
-def _split_label(label: str) -> tuple[str, str]:
-    """`init_label`'s inverse: 'full (row_repeat)' -> ('full', 'row_repeat')."""
-    init, _, gqa = label.partition(" (")
-    return init, gqa.rstrip(")") or "whole_head"
-
-
 def ablation_table(runs: list[Run]) -> Table:
     """The paper's phase-ablation layout, one row per GQA expansion (plus `full_plus` when it ran)."""
-    inits = [*ABLATION_INITS, *(["full_plus"] if any(_split_label(r.init)[0] == "full_plus" for r in runs) else [])]
+    inits = [*ABLATION_INITS, *(["full_plus"] if any(r.init_mode == "full_plus" for r in runs) else [])]
     header = ["teacher", "policy", "ratio", "eval set", "GQA expansion", *inits, "naive/full", "phase2/full"]
     rows = []
     for group, by_init in _groups(runs).items():
-        expansions = sorted({_split_label(label)[1] for label in by_init}, key=lambda g: (g != "whole_head", g))
+        expansions = sorted({run.gqa_expansion for run in by_init.values()}, key=lambda g: (g != "whole_head", g))
         for eval_set in _eval_sets(by_init):
             for gqa in expansions:
-                runs_here = {_split_label(label)[0]: run for label, run in by_init.items()
-                             if _split_label(label)[1] == gqa}
+                runs_here = {run.init_mode: run for run in by_init.values() if run.gqa_expansion == gqa}
                 ppl = {i: runs_here[i].student_ppl.get(eval_set) if i in runs_here else None for i in inits}
                 full = ppl["full"]
                 ratios = [fmt_ratio(ppl[i] / full if ppl[i] is not None and full else None)
