@@ -92,9 +92,14 @@ def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
     ]
     head = ["t1", "explicit", "0.5", "shakespeare"]
     uni = ["t1", "uniform", "0.5", "shakespeare"]
-    assert _rows(out / "token_efficiency.csv") == [
-        ["teacher", "policy", "ratio", "eval set", "target", "target PPL", "zero_gate tokens", "full tokens",
-         "ratio"],
+    efficiency = _rows(out / "token_efficiency.csv")
+    # every init with a curve is compared with zero_gate, each with its tokens and gain
+    assert efficiency[0] == ["teacher", "policy", "ratio", "eval set", "target", "target PPL", "zero_gate tokens",
+                             "naive tokens", "naive gain", "full tokens", "full gain"]
+    # naive: explicit never gets below 90; uniform reaches 30 at 1,000 and 25 at 2,000 (zero_gate: 714, 1,400)
+    assert [row[7:9] for row in efficiency[1:9]] == [["not reached", "n/a"]] * 8
+    assert [row[7:9] for row in efficiency[12:14]] == [["2,000", "0.70x"], ["1,000", "0.71x"]]
+    assert [row[:7] + row[9:] for row in efficiency[1:]] == [
         # interpolated between evaluations, e.g. zero_gate 500 (22.9) -> 1000 (21.9) reaches 22.0 at 950
         head + ["1.10x teacher", "22.00", "950", "<=500", ">=1.90x"],
         head + ["1.15x teacher", "23.00", "<=500", "<=500", "n/a"],
@@ -133,11 +138,14 @@ def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
 def test_other_baseline_and_out_folder(multirun, tmp_path):
     """--baseline naive: the explicit naive curve starts above every target, so no bounds there."""
     out = tmp_path / "elsewhere"
-    main([str(multirun), "--out", str(out), "--baseline", "naive"])
+    main([str(multirun), "--out", str(out), "--baseline", "naive", "--calibrated", "full,phase2"])
     rows = _rows(out / "token_efficiency.csv")
-    assert rows[0][6:8] == ["naive tokens", "full tokens"]
+    assert rows[0][6:] == ["naive tokens", "full tokens", "full gain", "phase2 tokens", "phase2 gain"]
     assert rows[1] == ["t1", "explicit", "0.5", "shakespeare", "1.10x teacher", "22.00", "not reached", "<=500",
-                       ">=4.00x"]
+                       ">=4.00x", "-", "-"]
+    efficiency_section = (out / "report.md").read_text().split("## Token efficiency")[1].split("## After")[0]
+    assert "t1 / explicit / 0.5: no curve for phase2" in efficiency_section
+    assert "t1 / uniform / 0.5: no curve for phase2" in efficiency_section
     assert not (multirun / "report").exists()
 
 

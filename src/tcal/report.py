@@ -287,29 +287,38 @@ def _series(run: Run, eval_set: str) -> list[tuple[int, float]]:
     return [(tokens, ppl[eval_set]) for tokens, ppl in run.curve if eval_set in ppl]
 
 
-def efficiency_table(runs: list[Run], baseline: str, calibrated: str) -> tuple[Table, list[str]]:
-    """Token-efficiency rows, plus notes on groups that could not be compared."""
-    header = ["teacher", "policy", "ratio", "eval set", "target", "target PPL",
-              f"{baseline} tokens", f"{calibrated} tokens", "ratio"]
+def efficiency_table(runs: list[Run], baseline: str, calibrated: list[str] | None = None
+                     ) -> tuple[Table, list[str]]:
+    """Token-efficiency rows: the baseline's tokens to each target, then each calibrated init's tokens and gain
+    (baseline tokens / its tokens); plus notes on groups that could not be compared. `calibrated=None` takes
+    every other init that has a curve."""
+    groups = _groups(runs, EFFICIENCY_STAGES)
+    if calibrated is None:
+        with_curve = {init for by_init in groups.values() for init, run in by_init.items() if run.curve}
+        calibrated = [init for init in _init_columns(runs) if init in with_curve and init != baseline]
+    header = ["teacher", "policy", "ratio", "eval set", "target", "target PPL", f"{baseline} tokens",
+              *(cell for init in calibrated for cell in (f"{init} tokens", f"{init} gain"))]
     rows, notes = [], []
-    for group, by_init in _groups(runs, EFFICIENCY_STAGES).items():
+    for group, by_init in groups.items():
         label = " / ".join(_row_head(group, "")[:3])
-        if baseline not in by_init or calibrated not in by_init:
-            notes.append(f"{label}: no {baseline if baseline not in by_init else calibrated} run")
+        missing = [init for init in (baseline, *calibrated) if init not in by_init or not by_init[init].curve]
+        if missing:
+            notes.append(f"{label}: no curve for {', '.join(missing)}")
+        if baseline in missing:
             continue
-        base_run, cal_run = by_init[baseline], by_init[calibrated]
-        for eval_set in sorted({s for _, p in base_run.curve + cal_run.curve for s in p}):
-            base, cal = _series(base_run, eval_set), _series(cal_run, eval_set)
-            if not base or not cal:
-                notes.append(f"{label} / {eval_set}: no curve for {baseline if not base else calibrated}")
-                continue
+        for eval_set in sorted({s for _, p in by_init[baseline].curve for s in p}):
+            base = _series(by_init[baseline], eval_set)
             teacher_ppl = _teacher_value(by_init, lambda r: r.teacher_ppl.get(eval_set))
             targets = [(f"{m:.2f}x teacher", m * teacher_ppl) for m in TARGET_MULTIPLES if teacher_ppl]
             targets.append((f"{baseline} final", base[-1][1]))
             for name, target in targets:
-                b, c = reach(base, target), reach(cal, target)
-                rows.append([*_row_head(group, eval_set), name, fmt_ppl(target), b.cell(), c.cell(),
-                             efficiency_ratio(b, c)])
+                b = reach(base, target)
+                cells = []
+                for init in calibrated:
+                    series = _series(by_init[init], eval_set) if init in by_init else []
+                    c = reach(series, target) if series else None
+                    cells += [c.cell(), efficiency_ratio(b, c)] if c else [MISSING, MISSING]
+                rows.append([*_row_head(group, eval_set), name, fmt_ppl(target), b.cell(), *cells])
     return (header, rows), notes
 
 
@@ -383,7 +392,7 @@ def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
     return paths
 
 
-def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calibrated: str = "full",
+def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calibrated: list[str] | None = None,
                  logger=None) -> str:
     """Write every table, CSV and plot into `out_dir`; return the Markdown. A Lightning `logger` (W&B)
     also receives each table (W&B tables for a dashboard)."""
@@ -394,15 +403,16 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
     tables = {"zero_shot": ("Zero-shot perplexity (student; NLU avg and RULER are student scores)",
                             zero_shot_table(runs)),
               "phase_ablation": ("Phase ablation", ablation_table(runs)),
-              "token_efficiency": (f"Token efficiency ({baseline} vs {calibrated}): Stage 2 tokens to reach each "
-                                   f"target, interpolated between evaluations", efficiency),
+              "token_efficiency": (f"Token efficiency: Stage 2 tokens to reach each target, interpolated between "
+                                   f"evaluations; gain = {baseline} tokens / the init's tokens", efficiency),
               "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs))}
     parts = [f"# tcal report: {folder}\n\n{len(runs)} complete runs, {len(problems)} incomplete.\n"]
     for name, (title, table) in tables.items():
         write_csv(out_dir / f"{name}.csv", table)
         log_table(logger, name, *table)
         parts.append(f"## {title}\n\n{markdown_table(table)}")
-    parts[-1] += "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")  # efficiency notes
+        if name == "token_efficiency" and notes:
+            parts[-1] += "".join(f"\n- {note}" for note in notes) + "\n"
     plots = plot_curves(runs, out_dir)
     parts.append("## Plots\n\n" + ("".join(f"- ![{p.stem}]({p.name})\n" for p in plots) or "_No curves._\n"))
     listed = "".join(f"- `{path.relative_to(folder)}`: {why}\n" for path, why in problems)
@@ -416,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tcal-report", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a run or multirun folder (searched recursively)")
     parser.add_argument("--out", type=Path, help="output folder (default: FOLDER/report)")
-    parser.add_argument("--baseline", default="zero_gate", help="init whose tokens are the numerator of the efficiency ratio")
-    parser.add_argument("--calibrated", default="full", help="init whose tokens are the denominator")
+    parser.add_argument("--baseline", default="zero_gate", help="init whose tokens are the numerator of each gain")
+    parser.add_argument("--calibrated", type=lambda text: [init.strip() for init in text.split(",")],
+                        help="comma-separated inits compared with the baseline (default: every other init with a curve)")
     parser.add_argument("--wandb-project", help="also log the tables to this W&B project (WANDB_MODE=offline works)")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
