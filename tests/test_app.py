@@ -15,7 +15,7 @@ import torch
 from conftest import compose, isolated_cache_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tcal.app import CONF_DIR
+from tcal.app import CONF_DIR, earlier_run, run_in
 from tcal.data import eval_sets, load_splits, token_windows
 from tcal.evaluate.perplexity import perplexity
 from tcal.hybrid import HybridForCausalLM
@@ -62,6 +62,34 @@ def test_results_json(smoke_run):
     # Written atomically: no temporary files left behind.
     assert {"results.json", "student"} <= {p.name for p in run_dir.iterdir()}
     assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_rerun_into_the_same_folder_skips_a_complete_run_and_continues_an_unfinished_one(smoke_run, tmp_path,
+                                                                                          monkeypatch, capsys):
+    cfg, run_dir, _ = smoke_run
+    results = run_dir / "results.json"
+    before = (results.read_bytes(), results.stat().st_mtime_ns)
+    assert earlier_run(cfg, run_dir) == "complete"
+    run_in(cfg, run_dir)
+    assert "already holds this run, complete; nothing to do" in capsys.readouterr().out
+    assert (results.read_bytes(), results.stat().st_mtime_ns) == before
+
+    calls = []
+    monkeypatch.setattr("tcal.pipeline.run", lambda cfg, folder, resume=False: calls.append((folder, resume)))
+    data = json.loads(results.read_text())
+    for name, status, config in [("unfinished", "trained_distill", data["config"]),
+                                 ("other_config", "complete", {**data["config"], "seed": data["config"]["seed"] + 1}),
+                                 ("damaged", None, None), ("empty", None, None)]:
+        folder = tmp_path / name
+        folder.mkdir()
+        if status:
+            (folder / "results.json").write_text(json.dumps({**data, "status": status, "config": config}))
+        elif name == "damaged":
+            (folder / "results.json").write_text(results.read_text()[:100])
+        run_in(cfg, folder)
+    assert calls == [(tmp_path / "unfinished", True), (tmp_path / "other_config", False),
+                     (tmp_path / "damaged", False), (tmp_path / "empty", False)]
+    assert "holds this run, unfinished; continuing it" in capsys.readouterr().out
 
 
 def test_saved_student_reproduces_the_run(smoke_run):

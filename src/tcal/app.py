@@ -1,5 +1,9 @@
 """`tcal`: the Hydra entry of the main job (see conf/config.yaml).
 
+Run again into a folder that already holds a run of the same config (`hydra.sweep.dir=` of a finished or
+interrupted sweep), a finished run is skipped and an unfinished one continues from its last checkpoint, so a
+rerun of a sweep does no work twice.
+
 A configuration error (`tcal.errors.ConfigError`: a bad setting, unreadable data, or an unknown option of a
 config group) prints one line on stderr and exits with code 2, before any work and without a traceback.
 """
@@ -26,6 +30,31 @@ def resumed_config(run_dir: Path):
     cfg = OmegaConf.create(json.loads(results.read_text())["config"])
     cfg.resume = str(run_dir)
     return cfg
+
+
+def earlier_run(cfg, run_dir: Path) -> str:
+    """What `run_dir` holds for `cfg`: "none" (nothing, or a run of another config), "complete" or "unfinished"."""
+    results = Path(run_dir) / "results.json"
+    try:
+        data = json.loads(results.read_text())
+    except (OSError, ValueError):
+        return "none"
+    if not isinstance(data, dict) or data.get("config") != OmegaConf.to_container(cfg, resolve=True):
+        return "none"
+    return "complete" if data.get("status") == "complete" else "unfinished"
+
+
+def run_in(cfg, run_dir: Path) -> None:
+    """Run `cfg` in `run_dir`: skip it when already complete there, continue it when unfinished."""
+    from tcal.pipeline import run
+    earlier = earlier_run(cfg, run_dir)
+    if earlier == "complete":
+        print(f"tcal: {run_dir} already holds this run, complete; nothing to do "
+              f"(results: {Path(run_dir) / 'results.json'})", flush=True)
+        return
+    if earlier == "unfinished":
+        print(f"tcal: {run_dir} holds this run, unfinished; continuing it", flush=True)
+    run(cfg, run_dir, resume=earlier == "unfinished")
 
 
 def group_options(group: str) -> list[str] | None:
@@ -60,7 +89,7 @@ def hydra_main(cfg) -> None:
         if cfg.get("resume"):
             run(resumed_config(Path(cfg.resume)), Path(cfg.resume), resume=True)
         else:
-            run(cfg, HydraConfig.get().runtime.output_dir)
+            run_in(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as err:
         config_error_exit(err)
 
