@@ -308,6 +308,7 @@ def efficiency_table(runs: list[Run], baseline: str, calibrated: list[str] | Non
             continue
         for eval_set in sorted({s for _, p in by_init[baseline].curve for s in p}):
             base = _series(by_init[baseline], eval_set)
+            series = {init: _series(by_init[init], eval_set) if init in by_init else [] for init in calibrated}
             teacher_ppl = _teacher_value(by_init, lambda r: r.teacher_ppl.get(eval_set))
             targets = [(f"{m:.2f}x teacher", m * teacher_ppl) for m in TARGET_MULTIPLES if teacher_ppl]
             targets.append((f"{baseline} final", base[-1][1]))
@@ -315,9 +316,11 @@ def efficiency_table(runs: list[Run], baseline: str, calibrated: list[str] | Non
                 b = reach(base, target)
                 cells = []
                 for init in calibrated:
-                    series = _series(by_init[init], eval_set) if init in by_init else []
-                    c = reach(series, target) if series else None
-                    cells += [c.cell(), efficiency_ratio(b, c)] if c else [MISSING, MISSING]
+                    if series[init]:
+                        c = reach(series[init], target)
+                        cells += [c.cell(), efficiency_ratio(b, c)]
+                    else:
+                        cells += [MISSING, MISSING]
                 rows.append([*_row_head(group, eval_set), name, fmt_ppl(target), b.cell(), *cells])
     return (header, rows), notes
 
