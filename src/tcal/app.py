@@ -32,14 +32,18 @@ def resumed_config(run_dir: Path):
     return cfg
 
 
+def _json_object(data):
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data
+
+
 def earlier_run(cfg, run_dir: Path) -> str:
-    """What `run_dir` holds for `cfg`: "none" (nothing, or a run of another config), "complete" or "unfinished"."""
-    results = Path(run_dir) / "results.json"
-    try:
-        data = json.loads(results.read_text())
-    except (OSError, ValueError):
-        return "none"
-    if not isinstance(data, dict) or data.get("config") != OmegaConf.to_container(cfg, resolve=True):
+    """What `run_dir` holds for `cfg`: "none" (nothing, or a run of another config), "complete" or "unfinished".
+    A damaged results.json is warned about and run again."""
+    from tcal.cache_entry import read_json  # imports torch: not before a config error could stop the job
+    data = read_json(Path(run_dir) / "results.json", "results of an earlier run", _json_object)
+    if data is None or data.get("config") != OmegaConf.to_container(cfg, resolve=True):
         return "none"
     return "complete" if data.get("status") == "complete" else "unfinished"
 
