@@ -77,18 +77,18 @@ def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
     assert _rows(out / "zero_shot.csv") == [
         ["teacher", "policy", "ratio", "eval set", "teacher PPL", "naive", "zero_gate", "phase2", "full",
          "full (row_repeat)", "teacher NLU avg", "NLU avg full", "RULER full"],
-        ["t1", "explicit", "0.5", "shakespeare", "20.00", "2,180.0", "22.90", "-", "21.80", "-", "-", "-", "-"],
         ["t1", "uniform", "0.5", "shakespeare", "20.00", "1,500.0", "40.00", "27.50", "25.00", "33.00",
          "0.650", "0.450", "0.500"],
-    ]
+        ["t1", "explicit", "0.5", "shakespeare", "20.00", "2,180.0", "22.90", "-", "21.80", "-", "-", "-", "-"],
+    ]  # policies in the paper's order (uniform, ar, ga_s2), then explicit
     assert _rows(out / "phase_ablation.csv") == [
         ["teacher", "policy", "ratio", "eval set", "GQA expansion", "naive", "zero_gate", "phase1", "phase2", "full",
          "naive/full", "phase2/full"],
-        ["t1", "explicit", "0.5", "shakespeare", "whole_head", "2,180.0", "22.90", "-", "-", "21.80", "100.00x",
-         "n/a"],
         ["t1", "uniform", "0.5", "shakespeare", "whole_head", "1,500.0", "40.00", "-", "27.50", "25.00", "60.00x",
          "1.10x"],
         ["t1", "uniform", "0.5", "shakespeare", "row_repeat", "-", "-", "-", "-", "33.00", "n/a", "n/a"],
+        ["t1", "explicit", "0.5", "shakespeare", "whole_head", "2,180.0", "22.90", "-", "-", "21.80", "100.00x",
+         "n/a"],
     ]
     head = ["t1", "explicit", "0.5", "shakespeare"]
     uni = ["t1", "uniform", "0.5", "shakespeare"]
@@ -97,9 +97,17 @@ def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
     assert efficiency[0] == ["teacher", "policy", "ratio", "eval set", "target", "target PPL", "zero_gate tokens",
                              "naive tokens", "naive gain", "full tokens", "full gain"]
     # naive: explicit never gets below 90; uniform reaches 30 at 1,000 and 25 at 2,000 (zero_gate: 714, 1,400)
-    assert [row[7:9] for row in efficiency[1:9]] == [["not reached", "n/a"]] * 8
-    assert [row[7:9] for row in efficiency[12:14]] == [["2,000", "0.70x"], ["1,000", "0.71x"]]
+    assert [row[7:9] for row in efficiency[9:17]] == [["not reached", "n/a"]] * 8
+    assert [row[7:9] for row in efficiency[4:6]] == [["2,000", "0.70x"], ["1,000", "0.71x"]]
     assert [row[:7] + row[9:] for row in efficiency[1:]] == [
+        uni + ["1.10x teacher", "22.00", "not reached", "1,500", ">=2.00x"],
+        uni + ["1.15x teacher", "23.00", "2,714", "821", "3.31x"],
+        uni + ["1.20x teacher", "24.00", "1,800", "464", "3.88x"],
+        uni + ["1.25x teacher", "25.00", "1,400", "107", "13.08x"],
+        uni + ["1.50x teacher", "30.00", "714", "<=0", ">=inf"],
+        uni + ["2.00x teacher", "40.00", "<=0", "<=0", "n/a"],
+        uni + ["3.00x teacher", "60.00", "<=0", "<=0", "n/a"],
+        uni + ["zero_gate final", "22.80", "3,000", "893", "3.36x"],
         # interpolated between evaluations, e.g. zero_gate 500 (22.9) -> 1000 (21.9) reaches 22.0 at 950
         head + ["1.10x teacher", "22.00", "950", "<=500", ">=1.90x"],
         head + ["1.15x teacher", "23.00", "<=500", "<=500", "n/a"],
@@ -109,14 +117,6 @@ def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
         head + ["2.00x teacher", "40.00", "<=500", "<=500", "n/a"],
         head + ["3.00x teacher", "60.00", "<=500", "<=500", "n/a"],
         head + ["zero_gate final", "21.00", "2,000", "1,286", "1.56x"],
-        uni + ["1.10x teacher", "22.00", "not reached", "1,500", ">=2.00x"],
-        uni + ["1.15x teacher", "23.00", "2,714", "821", "3.31x"],
-        uni + ["1.20x teacher", "24.00", "1,800", "464", "3.88x"],
-        uni + ["1.25x teacher", "25.00", "1,400", "107", "13.08x"],
-        uni + ["1.50x teacher", "30.00", "714", "<=0", ">=inf"],
-        uni + ["2.00x teacher", "40.00", "<=0", "<=0", "n/a"],
-        uni + ["3.00x teacher", "60.00", "<=0", "<=0", "n/a"],
-        uni + ["zero_gate final", "22.80", "3,000", "893", "3.36x"],
     ]
     md = (out / "report.md").read_text()
     assert "| t1 | uniform | 0.5 | shakespeare | whole_head | 1,500.0 | 40.00 | - | 27.50 | 25.00 | 60.00x | 1.10x |" in md
@@ -139,9 +139,9 @@ def test_other_baseline_and_out_folder(multirun, tmp_path):
     """--baseline naive: the explicit naive curve starts above every target, so no bounds there."""
     out = tmp_path / "elsewhere"
     main([str(multirun), "--out", str(out), "--baseline", "naive", "--calibrated", "full,phase2"])
-    rows = _rows(out / "token_efficiency.csv")
+    rows = _rows(out / "token_efficiency.csv")  # uniform's 8 target rows first, then explicit's
     assert rows[0][6:] == ["naive tokens", "full tokens", "full gain", "phase2 tokens", "phase2 gain"]
-    assert rows[1] == ["t1", "explicit", "0.5", "shakespeare", "1.10x teacher", "22.00", "not reached", "<=500",
+    assert rows[9] == ["t1", "explicit", "0.5", "shakespeare", "1.10x teacher", "22.00", "not reached", "<=500",
                        ">=4.00x", "-", "-"]
     efficiency_section = (out / "report.md").read_text().split("## Token efficiency")[1].split("## After")[0]
     assert "t1 / explicit / 0.5: no curve for phase2" in efficiency_section

@@ -21,6 +21,7 @@ from tcal.results import write_atomic, write_text_atomic
 from tcal.tracking import finish, log_table, wandb_logger
 
 INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full", "full_plus")
+POLICY_ORDER = ("uniform", "ar", "ga_s2", "explicit")  # the paper's table order
 ABLATION_INITS = ("naive", "zero_gate", "phase1", "phase2", "full")
 TARGET_MULTIPLES = (1.10, 1.15, 1.20, 1.25, 1.5, 2.0, 3.0)
 MISSING = "-"
@@ -181,7 +182,12 @@ def _groups(runs: list[Run], stages=ZERO_SHOT_STAGES) -> dict[tuple, dict[str, R
     groups: dict[tuple, dict[str, Run]] = {}
     for run in sorted((r for r in runs if r.stage in stages), key=lambda r: stages.index(r.stage), reverse=True):
         groups.setdefault(run.group, {})[run.init] = run
-    return dict(sorted(groups.items()))
+    return dict(sorted(groups.items(), key=lambda item: _group_order(item[0])))
+
+
+def _group_order(group: tuple) -> tuple:
+    teacher, policy, ratio = group
+    return teacher, POLICY_ORDER.index(policy) if policy in POLICY_ORDER else len(POLICY_ORDER), policy, ratio
 
 
 def _init_columns(runs: list[Run]) -> list[str]:
@@ -332,7 +338,7 @@ def after_training_table(runs: list[Run]) -> Table:
         header += [f"{label} tokens", f"{label} PPL", f"{label} NLU avg", f"{label} RULER"]
     after = {stage: _groups(runs, (stage,)) for stage in ("align", "align_distill")}
     rows = []
-    for group in sorted(set(after["align"]) | set(after["align_distill"])):
+    for group in sorted(set(after["align"]) | set(after["align_distill"]), key=_group_order):
         by_stage = {stage: after[stage].get(group, {}) for stage in after}
         inits = [i for i in _init_columns(runs) if any(i in by_init for by_init in by_stage.values())]
         for eval_set in sorted({s for by_init in by_stage.values() for s in _eval_sets(by_init)}):
