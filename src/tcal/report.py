@@ -185,17 +185,21 @@ def _groups(runs: list[Run], stages=ZERO_SHOT_STAGES) -> dict[tuple, dict[str, R
     return dict(sorted(groups.items(), key=lambda item: _group_order(item[0])))
 
 
+def _rank(name: str, order: tuple[str, ...]) -> int:
+    """Position of `name` in `order`; names not listed come after all of them."""
+    return order.index(name) if name in order else len(order)
+
+
 def _group_order(group: tuple) -> tuple:
     teacher, policy, ratio = group
-    return teacher, POLICY_ORDER.index(policy) if policy in POLICY_ORDER else len(POLICY_ORDER), policy, ratio
+    return teacher, _rank(policy, POLICY_ORDER), policy, ratio
 
 
 def _init_columns(runs: list[Run]) -> list[str]:
     """Whole-head inits in INIT_ORDER, then each other GQA expansion's inits in the same order."""
     def order(run: Run):
         mode = run.init_mode
-        return (run.gqa_expansion != "whole_head", run.gqa_expansion,
-                INIT_ORDER.index(mode) if mode in INIT_ORDER else len(INIT_ORDER), mode)
+        return run.gqa_expansion != "whole_head", run.gqa_expansion, _rank(mode, INIT_ORDER), mode
     return list(dict.fromkeys(run.init for run in sorted(runs, key=order)))
 
 
@@ -408,20 +412,20 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
     folder, out_dir = Path(folder), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs, problems = collect(folder)
-    efficiency, notes = efficiency_table(runs, baseline, calibrated)
+    efficiency, efficiency_notes = efficiency_table(runs, baseline, calibrated)
     tables = {"zero_shot": ("Zero-shot perplexity (student; NLU avg and RULER are student scores)",
-                            zero_shot_table(runs)),
-              "phase_ablation": ("Phase ablation", ablation_table(runs)),
+                            zero_shot_table(runs), []),
+              "phase_ablation": ("Phase ablation", ablation_table(runs), []),
               "token_efficiency": (f"Token efficiency: Stage 2 tokens to reach each target, interpolated between "
-                                   f"evaluations; gain = {baseline} tokens / the init's tokens", efficiency),
-              "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs))}
+                                   f"evaluations; gain = {baseline} tokens / the init's tokens", efficiency,
+                                   efficiency_notes),
+              "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs), [])}
     parts = [f"# tcal report: {folder}\n\n{len(runs)} complete runs, {len(problems)} incomplete.\n"]
-    for name, (title, table) in tables.items():
+    for name, (title, table, notes) in tables.items():
         write_csv(out_dir / f"{name}.csv", table)
         log_table(logger, name, *table)
-        parts.append(f"## {title}\n\n{markdown_table(table)}")
-        if name == "token_efficiency" and notes:
-            parts[-1] += "".join(f"\n- {note}" for note in notes) + "\n"
+        listed_notes = "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")
+        parts.append(f"## {title}\n\n{markdown_table(table)}{listed_notes}")
     plots = plot_curves(runs, out_dir)
     parts.append("## Plots\n\n" + ("".join(f"- ![{p.stem}]({p.name})\n" for p in plots) or "_No curves._\n"))
     listed = "".join(f"- `{path.relative_to(folder)}`: {why}\n" for path, why in problems)
