@@ -48,17 +48,20 @@ def earlier_run(cfg, run_dir: Path) -> str:
     return "complete" if data.get("status") == "complete" else "unfinished"
 
 
-def run_in(cfg, run_dir: Path) -> None:
-    """Run `cfg` in `run_dir`: skip it when already complete there, continue it when unfinished."""
+def run_in(cfg, run_dir: Path, ranks=None) -> None:
+    """Run `cfg` in `run_dir`: skip it when already complete there, continue it when unfinished (rank 0 decides
+    for all ranks, before any of them writes)."""
+    from tcal.distributed import Ranks
     from tcal.pipeline import run
-    earlier = earlier_run(cfg, run_dir)
+    ranks = ranks or Ranks()
+    earlier = ranks.broadcast(earlier_run(cfg, run_dir) if ranks.is_main else None)
     if earlier == "complete":
         print(f"tcal: {run_dir} already holds this run, complete; nothing to do "
               f"(results: {Path(run_dir) / 'results.json'})", flush=True)
         return
     if earlier == "unfinished":
         print(f"tcal: {run_dir} holds this run, unfinished; continuing it", flush=True)
-    run(cfg, run_dir, resume=earlier == "unfinished")
+    run(cfg, run_dir, resume=earlier == "unfinished", ranks=ranks)
 
 
 def group_options(group: str) -> list[str] | None:
@@ -88,12 +91,18 @@ def config_error_exit(err: Exception) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_main(cfg) -> None:
+    from tcal.distributed import launch
     from tcal.pipeline import run
+    from tcal.validate import validate_config
     try:
         if cfg.get("resume"):
-            run(resumed_config(Path(cfg.resume)), Path(cfg.resume), resume=True)
+            cfg = resumed_config(Path(cfg.resume))
+        validate_config(cfg)  # before any process is launched
+        ranks = launch(cfg.trainer)
+        if cfg.get("resume"):
+            run(cfg, Path(cfg.resume), resume=True, ranks=ranks)
         else:
-            run_in(cfg, Path(HydraConfig.get().runtime.output_dir))
+            run_in(cfg, Path(HydraConfig.get().runtime.output_dir), ranks)
     except ConfigError as err:
         config_error_exit(err)
 

@@ -3,7 +3,9 @@
 `run(cfg, run_dir)` is what the `tcal` entry calls; tests call it with composed configs. Bad settings fail
 before anything is written; results.json is rewritten atomically after each step ("status" says how far
 the run got) and at every curve point, so a crash leaves a readable record. With `stage=none` the evaluation
-is zero-shot. Under DDP every rank runs the same steps; only rank 0 writes, evaluates and exports.
+is zero-shot. A multi-device run starts its ranks first (`tcal.distributed`); every rank then holds the teacher
+and the student on its own device, the per-layer work is split across ranks, the evaluations are Lightning
+validation over all ranks, and rank 0 writes results.json and exports.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from omegaconf import OmegaConf
 
 from tcal.convert import build_student
 from tcal.data import Splits, load_splits
+from tcal.distributed import Ranks
 from tcal.evaluate.suite import evaluate, format_table
 from tcal.fingerprint import weights_digest
 from tcal.gdn import kernel_path
@@ -44,10 +47,15 @@ class RunContext:
     cache_dir: Path
     run_dir: Path
     extra_callbacks: list = field(default_factory=list)  # Lightning callbacks added to every stage's Trainer
+    ranks: Ranks = field(default_factory=Ranks)
 
     @property
     def num_layers(self) -> int:
         return self.teacher.config.num_hidden_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.ranks.device
 
 
 @contextmanager
@@ -57,18 +65,20 @@ def timed(timings: dict, step: str):
     timings[step] = round(time.perf_counter() - start, 3)
 
 
-def prepare(cfg, run_dir: Path, timings: dict) -> RunContext:
+def prepare(cfg, run_dir: Path, timings: dict, ranks: Ranks | None = None) -> RunContext:
     torch.manual_seed(int(cfg.seed))
     torch.set_flush_denormal(True)  # strongly decaying GDN states underflow; denormals slow CPU math ~10x
     if cfg.eval.harness.name == "paper":
         from tcal.evaluate.local_tasks import check_paper_tasks_available
 
         check_paper_tasks_available()  # fail before any work when the dataset hub is unreachable
+    ranks = ranks or Ranks()
     with timed(timings, "load_teacher"):
         teacher, tokenizer = load_teacher(cfg.teacher, cfg.paths.cache_dir)
+        teacher.to(ranks.device)
     with timed(timings, "load_data"):
         splits = load_splits(cfg.data)
-    return RunContext(cfg, teacher, tokenizer, splits, Path(cfg.paths.cache_dir), Path(run_dir))
+    return RunContext(cfg, teacher, tokenizer, splits, Path(cfg.paths.cache_dir), Path(run_dir), ranks=ranks)
 
 
 def save_student(student, tokenizer, folder: Path) -> None:
@@ -80,28 +90,25 @@ def save_student(student, tokenizer, folder: Path) -> None:
     write_folder_atomic(folder, write)
 
 
-def is_rank_zero() -> bool:
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-    return getattr(rank_zero_only, "rank", 0) == 0
-
-
-def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None = None) -> dict:
-    """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint."""
+def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None = None,
+        ranks: Ranks | None = None) -> dict:
+    """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint. `ranks`: this
+    process's place among the run's launched processes (`tcal.distributed.launch`); None is one process."""
     run_dir = Path(run_dir)
     validate_config(cfg)
     timings: dict[str, float] = {}
-    ctx = prepare(cfg, run_dir, timings)
+    ctx = prepare(cfg, run_dir, timings, ranks)
     validate_loaded(ctx)
     ctx.extra_callbacks = list(callbacks or [])
     with timed(timings, "load_training_data"):
         plans = plan_stages(ctx)
-    writer = is_rank_zero()
+    writer = ctx.ranks.is_main
     with timed(timings, "retention"):
         selection = select_layers(cfg.retention, ctx)
     with timed(timings, "convert"):
         student = build_student(ctx.teacher, selection.keep_layers, cfg.init.gqa_expansion, int(cfg.seed))
-    device = next(student.parameters()).device
+        student.to(ctx.device)
+    device = ctx.device
     results = {
         "teacher": {"name": cfg.teacher.name, "num_layers": ctx.num_layers},
         "retention": cfg.retention.name,
@@ -146,12 +153,12 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
         results["status"] = f"trained_{plan.kind}"
         tokens_seen = record["tokens_seen"]
         save_results()
-    if not writer:
-        return results
 
     student.eval()
     with timed(timings, "evaluate"):
         results.update(evaluate(ctx, student))
+    if not writer:
+        return results
     print(format_table(results), flush=True)
     log_figures(logger, {"eval": {k: results[k] for k in ("metrics", "harness", "ruler") if k in results}}, tokens_seen)
     finish(logger)

@@ -8,7 +8,9 @@ runs of a sweep reuse them instead of calibrating again.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -18,6 +20,7 @@ from tcal.calibration.align import align_layer, alignment_metrics
 from tcal.calibration.phase1 import apply_phase1
 from tcal.calibration.stats import collect_teacher_stats
 from tcal.data import between_windows, token_windows
+from tcal.distributed import Ranks
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 from tcal.gdn import GatedDeltaNet
 
@@ -107,45 +110,88 @@ def calibration_store(ctx) -> ArtifactStore:
     return ArtifactStore(ctx.cache_dir / "calibration" / ctx.cfg.teacher.name if cache else None)
 
 
+@contextmanager
+def float32_master(gdn: GatedDeltaNet):
+    """The layer in float32 for the block (Phase 1 fits and Phase 2 steps), back in its own dtype after: a bfloat16
+    student is calibrated on float32 weights and rounded once. A float32 layer is untouched."""
+    dtype = gdn.A_log.dtype
+    gdn.float()
+    try:
+        yield gdn
+    finally:
+        gdn.to(dtype)
+
+
+def calibrate_shared(gdns: dict[int, GatedDeltaNet], keys: dict[int, str], store: ArtifactStore, ranks: Ranks,
+                     calibrate_some: Callable[[list[int]], dict[int, dict]]) -> dict[int, dict]:
+    """Cached layers are loaded; the others are split across ranks: each rank calibrates its share
+    (`calibrate_some(layers)` -> records, each layer saved to the store), then every rank receives every layer's
+    weights and record, so each layer is built once however many ranks run."""
+    records = load_cached(gdns, keys, store)
+    todo = ranks.broadcast([i for i in gdns if i not in records])  # rank 0's view, so all ranks agree
+    if not todo:
+        return dict(sorted(records.items()))
+    mine = ranks.share(todo)
+    if ranks.distributed:
+        log.info("rank %d of %d calibrates layers %s (of %s)", ranks.rank, ranks.world_size, mine, todo)
+    built = calibrate_some(mine) if mine else {}
+    if ranks.distributed:
+        built = {i: {**r, "rank": ranks.rank} for i, r in built.items()}
+        for position, i in enumerate(todo):
+            ranks.broadcast_module(gdns[i], src=ranks.owner(position))
+    records.update(ranks.merge(built))
+    return dict(sorted(records.items()))
+
+
 def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tensor, cfg, phases,
-                     store: ArtifactStore, check: torch.Tensor | None = None) -> dict[int, dict]:
+                     store: ArtifactStore, check: torch.Tensor | None = None, ranks: Ranks | None = None
+                     ) -> dict[int, dict]:
     """Calibrate each GDN (in place) against the teacher layer of the same index; returns per-layer records.
-    With `check` tokens, each record also gets the alignment loss and cosine on them before and after."""
+    With `check` tokens, each record also gets the alignment loss and cosine on them before and after.
+    With several ranks each calibrates a share of the layers (`calibrate_shared`)."""
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
         raise ValueError(f"unknown calibration phases {unknown}; expected a subset of {PHASES}")
     settings = plain(cfg)
     keys = {i: artifact_key(teacher, i, phases, batch, settings, gdn, check) for i, gdn in gdns.items()}
-    records = load_cached(gdns, keys, store)
-    todo = [i for i in gdns if i not in records]
-    if not todo:
-        return dict(sorted(records.items()))
-    log.info("calibrating layers %s (%s) on %s calibration tokens", todo, "+".join(phases), batch.numel())
-    stats = collect_teacher_stats(teacher, batch, layers=todo, block_size=int(cfg.block_size))
-    check_stats = None if check is None else collect_teacher_stats(teacher, check, layers=todo,
-                                                                    block_size=int(cfg.block_size))
-    steps = int(cfg.phase2.steps) if "phase2" in phases else 0
-    bar = tqdm(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
-    for i in todo:
-        gdn, layer_stats = gdns[i], stats[i]
-        record: dict = {}
-        before = check_metrics(gdn, check_stats[i]) if check_stats is not None else None
-        if "phase1" in phases:
-            record["phase1"] = apply_phase1(gdn, layer_stats, cfg.phase1)
-        if "phase2" in phases:
-            record["phase2"] = align_layer(gdn, *teacher_io(gdn, layer_stats), cfg.phase2, progress=bar)
-            log.info("layer %d phase2: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, record["phase2"]["loss_before"],
-                     record["phase2"]["loss_after"], record["phase2"]["cosine_before"], record["phase2"]["cosine_after"])
-        else:
-            bar.update(1)
-        if before is not None:
-            record["check"] = check_record(before, check_metrics(gdn, check_stats[i]), check.numel())
-            log.info("layer %d on %d unseen tokens: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, check.numel(),
-                     *(record["check"][k] for k in ("loss_before", "loss_after", "cosine_before", "cosine_after")))
-        store.save(keys[i], gdn.state_dict(), record)
-        records[i] = {**record, "cached": False}
-    bar.close()
-    return dict(sorted(records.items()))
+
+    def calibrate_some(todo: list[int]) -> dict[int, dict]:
+        log.info("calibrating layers %s (%s) on %s calibration tokens", todo, "+".join(phases), batch.numel())
+        stats = collect_teacher_stats(teacher, batch, layers=todo, block_size=int(cfg.block_size))
+        check_stats = None if check is None else collect_teacher_stats(teacher, check, layers=todo,
+                                                                        block_size=int(cfg.block_size))
+        steps = int(cfg.phase2.steps) if "phase2" in phases else 0
+        bar = tqdm(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
+        records = {}
+        for i in todo:
+            with float32_master(gdns[i]) as gdn:
+                record = calibrate_one(gdn, i, stats[i], None if check_stats is None else check_stats[i], cfg,
+                                       phases, bar, 0 if check is None else check.numel())
+            store.save(keys[i], gdns[i].state_dict(), record)
+            records[i] = {**record, "cached": False}
+        bar.close()
+        return records
+
+    return calibrate_shared(gdns, keys, store, ranks or Ranks(), calibrate_some)
+
+
+def calibrate_one(gdn: GatedDeltaNet, i: int, layer_stats, check_stats, cfg, phases, bar, check_tokens: int) -> dict:
+    """One layer's phases (in place); its record."""
+    record: dict = {}
+    before = check_metrics(gdn, check_stats) if check_stats is not None else None
+    if "phase1" in phases:
+        record["phase1"] = apply_phase1(gdn, layer_stats, cfg.phase1)
+    if "phase2" in phases:
+        record["phase2"] = align_layer(gdn, *teacher_io(gdn, layer_stats), cfg.phase2, progress=bar)
+        log.info("layer %d phase2: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, record["phase2"]["loss_before"],
+                 record["phase2"]["loss_after"], record["phase2"]["cosine_before"], record["phase2"]["cosine_after"])
+    else:
+        bar.update(1)
+    if before is not None:
+        record["check"] = check_record(before, check_metrics(gdn, check_stats), check_tokens)
+        log.info("layer %d on %d unseen tokens: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, check_tokens,
+                 *(record["check"][k] for k in ("loss_before", "loss_after", "cosine_before", "cosine_after")))
+    return record
 
 
 def calibrate_gdns(gdns: dict[int, GatedDeltaNet], ctx, phases) -> dict:
@@ -153,5 +199,5 @@ def calibrate_gdns(gdns: dict[int, GatedDeltaNet], ctx, phases) -> dict:
     cfg = ctx.cfg.calibration
     store = calibration_store(ctx)
     batch = calibration_batch(ctx, cfg)
-    records = calibrate_layers(ctx.teacher, gdns, batch, cfg, phases, store, check_batch(ctx, cfg))
+    records = calibrate_layers(ctx.teacher, gdns, batch, cfg, phases, store, check_batch(ctx, cfg), ctx.ranks)
     return {"phases": list(phases), "calibration_tokens": batch.numel(), "layers": {str(i): r for i, r in records.items()}}

@@ -24,11 +24,12 @@ from tcal.calibration.align import (
     optimizer_step,
     phase2_optimizer,
 )
-from tcal.calibration.calibrate import ArtifactStore, artifact_key, load_cached, teacher_io
+from tcal.calibration.calibrate import ArtifactStore, artifact_key, calibrate_shared, float32_master, teacher_io
 from tcal.calibration.phase1 import apply_phase1
 from tcal.calibration.stats import collect_teacher_stats
 from tcal.convert import layer_generator
 from tcal.data import every_nth, token_windows
+from tcal.distributed import Ranks
 from tcal.gdn import GatedDeltaNet
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def layer_groups(layers: list[int], size: int | None) -> list[list[int]]:
 
 def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: CalibrationPool, phase1_rules, phase1_cfg,
                       phase2_cfg, settings: dict, store: ArtifactStore, seed: int, block_size: int,
-                      layers_per_pass: int | None = None) -> dict[int, dict]:
+                      layers_per_pass: int | None = None, ranks: Ranks | None = None) -> dict[int, dict]:
     """Phase 1 rules `phase1_rules` on the fit windows' statistics, then Phase 2 on the pool, per layer (in
     place); each layer cached under a key of everything it depends on (`settings` must hold every knob).
     The teacher-forced tensors of a pool are large (about 0.1 GB per SmolLM2 layer), so with `layers_per_pass`
@@ -130,22 +131,25 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
     passes, less memory, the same result (a layer's statistics do not depend on which others are recorded)."""
     keys = {i: artifact_key(teacher, i, ["full_plus"], pool.fit, {**settings, "seed": seed}, gdn, pool.held_out)
             for i, gdn in gdns.items()}
-    records = load_cached(gdns, keys, store)
-    todo = [i for i in gdns if i not in records]
-    if not todo:
-        return dict(sorted(records.items()))
-    log.info("full_plus: layers %s on a pool of %d + %d held-out windows", todo, len(pool.fit), len(pool.held_out))
-    bar = tqdm(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step")
-    for group in layer_groups(todo, layers_per_pass):
-        fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
-        held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
-        for i in group:
-            records[i] = calibrate_layer_on_pool(gdns[i], i, fit_stats.pop(i), held_stats.pop(i), phase1_rules,
-                                                 phase1_cfg, phase2_cfg, seed, bar)
-            store.save(keys[i], gdns[i].state_dict(), records[i])
-            records[i] = {**records[i], "cached": False}
-    bar.close()
-    return dict(sorted(records.items()))
+
+    def calibrate_some(todo: list[int]) -> dict[int, dict]:
+        log.info("full_plus: layers %s on a pool of %d + %d held-out windows", todo, len(pool.fit),
+                 len(pool.held_out))
+        bar = tqdm(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step")
+        records = {}
+        for group in layer_groups(todo, layers_per_pass):
+            fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
+            held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
+            for i in group:
+                with float32_master(gdns[i]) as gdn:
+                    record = calibrate_layer_on_pool(gdn, i, fit_stats.pop(i), held_stats.pop(i), phase1_rules,
+                                                     phase1_cfg, phase2_cfg, seed, bar)
+                store.save(keys[i], gdns[i].state_dict(), record)
+                records[i] = {**record, "cached": False}
+        bar.close()
+        return records
+
+    return calibrate_shared(gdns, keys, store, ranks or Ranks(), calibrate_some)
 
 
 def calibrate_layer_on_pool(gdn: GatedDeltaNet, layer: int, fit_stats, held_stats, phase1_rules, phase1_cfg,

@@ -1,7 +1,8 @@
 """Zero-shot evaluation of teacher and student: perplexity per eval set, the lm-eval harness, RULER.
 
-The teacher's figures depend only on the teacher, the eval data and the settings, so they are cached on
-disk (`paths.cache_dir/teacher_eval`): a sweep computes them once.
+Perplexity is Lightning validation over all of the run's ranks (`tcal.evaluate.validation`); the harness and
+RULER generate on rank 0's device. The teacher's figures depend only on the teacher, the eval data and the
+settings, so they are cached on disk (`paths.cache_dir/teacher_eval`): a sweep computes them once.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import logging
 
 from tcal.cache_entry import get_or_build, read_json, write_json
 from tcal.data import Document, eval_sets, token_windows
-from tcal.evaluate.perplexity import perplexity
+from tcal.distributed import shared_entry
+from tcal.evaluate.validation import validated_perplexities
 from tcal.fingerprint import digest, plain, teacher_fingerprint
 
 log = logging.getLogger(__name__)
@@ -20,28 +22,43 @@ def _docs_digest(docs: list[Document]) -> str:
     return digest([(d.name, d.text) for d in docs])
 
 
-def cached_teacher(ctx, kind: str, settings, compute):
-    """`compute()` for the teacher, memoized on disk by teacher weights, `kind` and `settings`."""
+def cached_teacher(ctx, kind: str, settings, compute, collective: bool = False):
+    """`compute()` for the teacher, memoized on disk by teacher weights, `kind` and `settings`. `collective`:
+    every rank calls this and `compute` runs on all of them together (rank 0 writes the entry)."""
     tokenizer = digest(type(ctx.tokenizer).__name__, ctx.tokenizer.get_vocab())
     key = digest(teacher_fingerprint(ctx.teacher), tokenizer, kind, settings)
     path = ctx.cache_dir / "teacher_eval" / f"{kind}-{key}.json"
-    return get_or_build(path, lambda p: read_json(p, "teacher figure cache", lambda record: record["value"]),
-                        compute, lambda p, value: write_json(p, {"kind": kind, "settings": settings, "value": value}))
+
+    def read(p=path):
+        return read_json(p, "teacher figure cache", lambda record: record["value"])
+
+    def write(p, value) -> None:
+        write_json(p, {"kind": kind, "settings": settings, "value": value})
+
+    def locked():
+        return get_or_build(path, read, compute, write)
+
+    if not collective:
+        return locked()
+    return shared_entry(ctx.ranks, read, compute, lambda value: write(path, value), locked)
 
 
 def perplexities(ctx, student) -> dict:
-    """{eval set: {teacher_ppl, student_ppl}} on windows of `eval.seq_len` tokens."""
+    """{eval set: {teacher_ppl, student_ppl}} on windows of `eval.seq_len` tokens (every rank takes part)."""
     cfg = ctx.cfg.eval
-    metrics = {}
+    windows, settings = {}, {}
     for name, docs in eval_sets(ctx.cfg.data, ctx.splits).items():
-        windows = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
-        settings = {"docs": _docs_digest(docs), "seq_len": int(cfg.seq_len), "num_windows": int(cfg.num_windows)}
-        metrics[name] = {
-            "teacher_ppl": cached_teacher(ctx, "ppl", settings, lambda: perplexity(
-                ctx.teacher, windows, int(cfg.batch_size), desc=f"teacher ppl {name}")),
-            "student_ppl": perplexity(student, windows, int(cfg.batch_size), desc=f"student ppl {name}"),
-        }
-    return metrics
+        windows[name] = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
+        settings[name] = {"docs": _docs_digest(docs), "seq_len": int(cfg.seq_len), "num_windows": int(cfg.num_windows)}
+
+    def ppl(model, names) -> dict:
+        return validated_perplexities(model, {n: windows[n] for n in names}, int(cfg.batch_size), ctx.cfg.trainer,
+                                      ctx.ranks)
+
+    student_ppl = ppl(student, list(windows))
+    return {name: {"teacher_ppl": cached_teacher(ctx, "ppl", settings[name], lambda n=name: ppl(ctx.teacher, [n])[n],
+                                                 collective=True),
+                   "student_ppl": student_ppl[name]} for name in windows}
 
 
 def harness(ctx, student) -> dict | None:
@@ -92,8 +109,10 @@ def ruler(ctx, student) -> dict | None:
 
 
 def evaluate(ctx, student) -> dict:
-    """The results.json entries of the zero-shot evaluation."""
+    """The results.json entries of the zero-shot evaluation (ranks other than 0 return after the perplexities)."""
     out = {"metrics": perplexities(ctx, student)}
+    if not ctx.ranks.is_main:
+        return out
     for name, fn in (("harness", harness), ("ruler", ruler)):
         value = fn(ctx, student)
         if value is not None:

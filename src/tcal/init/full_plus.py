@@ -25,6 +25,7 @@ def full_plus(gdns, cfg, ctx) -> dict:
     layers_per_pass = recipe["pool"].pop("layers_per_pass", None)  # memory only: not part of the artifact key
     settings = {"init": recipe, "phase1": plain(phase1_cfg), "block_size": block_size}
     records = calibrate_on_pool(ctx.teacher, gdns, pool, cfg.phase1_rules, phase1_cfg, cfg.phase2, settings,
-                                calibration_store(ctx), int(ctx.cfg.seed), block_size, layers_per_pass)
+                                calibration_store(ctx), int(ctx.cfg.seed), block_size, layers_per_pass,
+                                ctx.ranks)
     return {"phase1_rules": list(cfg.phase1_rules), "pool_tokens": pool.fit.numel(),
             "held_out_tokens": pool.held_out.numel(), "layers": {str(i): r for i, r in records.items()}}

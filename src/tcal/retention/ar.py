@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 from tqdm.auto import tqdm
 
+from tcal.distributed import Ranks
 from tcal.evaluate.perplexity import perplexity
 from tcal.retention import POLICIES, Selection
 from tcal.retention.cache import scored_selection, scoring_windows
@@ -37,17 +38,20 @@ def attention_bypassed(teacher, layer: int):
         handle.remove()
 
 
-def bypass_perplexities(teacher, windows: torch.Tensor, batch_size: int) -> dict[int, float]:
-    """Layer -> teacher perplexity on `windows` with that layer's attention bypassed."""
+def bypass_perplexities(teacher, windows: torch.Tensor, batch_size: int, ranks: Ranks | None = None
+                        ) -> dict[int, float]:
+    """Layer -> teacher perplexity on `windows` with that layer's attention bypassed (each rank scores its
+    share of the layers; every rank gets all scores)."""
+    ranks = ranks or Ranks()
     scores = {}
-    for i in tqdm(range(teacher.config.num_hidden_layers), desc="retention ar: bypass ppl", unit="layer"):
+    for i in tqdm(ranks.share(range(teacher.config.num_hidden_layers)), desc="retention ar: bypass ppl", unit="layer"):
         with attention_bypassed(teacher, i):
             scores[i] = perplexity(teacher, windows, batch_size)
-    return scores
+    return ranks.merge(scores)
 
 
 @POLICIES.register("ar")
 def ar(cfg, ctx) -> Selection:
     """Keep the layers whose attention bypass raises perplexity most."""
     return scored_selection(cfg, ctx, lambda: bypass_perplexities(ctx.teacher, scoring_windows(cfg, ctx),
-                                                                  int(cfg.batch_size)), highest=True)
+                                                                  int(cfg.batch_size), ctx.ranks), highest=True)

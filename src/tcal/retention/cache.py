@@ -25,6 +25,7 @@ import torch
 
 from tcal.cache_entry import get_or_build, read_json, write_json
 from tcal.data import token_stream, token_windows
+from tcal.distributed import shared_entry
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -97,14 +98,19 @@ def cached_scores(cfg, ctx, score: Callable[[], dict[int, float]], extra: dict |
     if cache.folder is None:
         return compute()
 
-    def read(path: Path) -> dict[int, float] | None:
+    path = cache.path(cfg.name, key)
+
+    def read(_path: Path = path) -> dict[int, float] | None:
         scores = cache.load(cfg.name, key)
         if scores is not None:
             log.info("retention %s: scores read from %s", cfg.name, path)
         return scores
 
-    return get_or_build(cache.path(cfg.name, key), read, compute,
-                        lambda path, scores: cache.save(cfg.name, key, parts, scores))
+    def write(_path: Path, scores: dict[int, float]) -> None:
+        cache.save(cfg.name, key, parts, scores)
+
+    return shared_entry(ctx.ranks, read, compute, lambda scores: write(path, scores),
+                        lambda: get_or_build(path, read, compute, write))
 
 
 def finite_or_inf(value: float) -> float:

@@ -62,11 +62,17 @@ def probes(teacher, gdns: dict, gqa_expansion: str = "whole_head", seed: int = 0
 
 
 def probe_perplexities(ctx, gdns: dict, windows: torch.Tensor, batch_size: int) -> dict[int, float]:
+    """Layer -> its probe's perplexity; each rank evaluates its share of the probes, every rank gets all."""
+    mine = set(ctx.ranks.share(range(len(gdns))))
     scores = {}
     parts = probes(ctx.teacher, gdns, ctx.cfg.init.gqa_expansion, int(ctx.cfg.seed))
-    for i, probe in tqdm(parts, total=len(gdns), desc=f"retention ga_s2 ({ctx.cfg.init.name}): probe ppl", unit="layer"):
-        scores[i] = perplexity(probe, windows, batch_size)
-    return scores
+    bar = tqdm(total=len(mine), desc=f"retention ga_s2 ({ctx.cfg.init.name}): probe ppl", unit="layer")
+    for i, probe in parts:
+        if i in mine:
+            scores[i] = perplexity(probe, windows, batch_size)
+            bar.update(1)
+    bar.close()
+    return ctx.ranks.merge(scores)
 
 
 @POLICIES.register("ga_s2")

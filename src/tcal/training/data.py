@@ -101,6 +101,10 @@ class PackedTextDataModule(L.LightningDataModule):
         super().__init__()
         self.seq_len, self.batch_size, self.total_steps, self.seed = int(seq_len), int(batch_size), int(total_steps), seed
         self.windows = pack(cached_token_stream(train_docs, tokenizer, cache_dir), self.seq_len)
+        self.eval_loaders: Callable[[], list[DataLoader]] = lambda: []  # the eval sets, set by the stage runner
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return self.eval_loaders()
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer

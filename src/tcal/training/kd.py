@@ -6,6 +6,10 @@ The logits of a batch ([tokens, vocab] in float32) are the largest tensors of di
 to a chunk's student logits has a closed form (softmax(student) - teacher probabilities, plus the CE term), so
 each chunk's gradients with respect to the final hidden states and the head's weight are computed in the forward
 pass and the logits are dropped at once: no recomputation, and memory grows with `chunk_size`, not the batch.
+
+Precision: each chunk's logits come from the heads in their own dtype (bfloat16 heads stay bfloat16; no copy
+of a head is made) and only the chunk's logits are upcast, so the softmax, the KL and the logit gradients are
+float32. The head's gradient accumulates in the head's dtype (float32 for a float32 head).
 """
 
 from __future__ import annotations
@@ -22,15 +26,14 @@ class _FusedHeadKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, targets, ce_rows, ce_weight, chunk_size):
         count, ce_count = hidden.shape[0], max(float(ce_rows.sum()), 1.0)
-        w = weight.float()
         grad_hidden = torch.empty_like(hidden, dtype=torch.float32)
-        grad_weight = torch.zeros_like(w)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32 if weight.dtype == torch.float32 else weight.dtype)
         kl_sum = ce_sum = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, count, chunk_size):
             rows = slice(start, start + chunk_size)
-            h = hidden[rows].float()
-            teacher_logp = F.log_softmax(teacher_hidden[rows].float() @ teacher_weight.float().T, dim=-1)
-            student_logp = F.log_softmax(h @ w.T, dim=-1)
+            h = hidden[rows].to(weight.dtype)
+            teacher_logp = F.log_softmax((teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.T).float(), dim=-1)
+            student_logp = F.log_softmax((h @ weight.T).float(), dim=-1)
             teacher_p, student_p = teacher_logp.exp(), student_logp.exp()
             kl_sum = kl_sum + (teacher_p * (teacher_logp - student_logp)).sum()
             picked = student_logp.gather(-1, targets[rows, None])[:, 0]
@@ -39,7 +42,9 @@ class _FusedHeadKL(torch.autograd.Function):
             if ce_weight:
                 onehot = torch.zeros_like(student_p).scatter_(-1, targets[rows, None], 1.0)
                 grad_logits += (ce_weight / ce_count) * (student_p - onehot) * ce_rows[rows, None]
-            grad_hidden[rows] = grad_logits @ w
+            del teacher_logp, student_logp, teacher_p, student_p
+            grad_logits = grad_logits.to(weight.dtype)
+            grad_hidden[rows] = grad_logits @ weight
             grad_weight += grad_logits.T @ h
         ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype))
         kl, ce = kl_sum / count, ce_sum / ce_count

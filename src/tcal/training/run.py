@@ -20,9 +20,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tcal.cache_entry import load_tensors, save_tensors
 from tcal.data import eval_sets, token_windows
+from tcal.distributed import world_size
+from tcal.evaluate.validation import eval_dataloaders
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 from tcal.teachers.load import torch_dtype
-from tcal.training.curve import PerplexityCurve
 from tcal.training.data import PackedTextDataModule
 from tcal.training.stages import STAGES
 
@@ -38,17 +39,6 @@ def stages_of(node) -> list[tuple[str, object, str]]:
     if "sequence" in node:
         return [(kind, node[kind], f"stage.{kind}") for kind in node.sequence]
     return [(node.kind, node, "stage")]
-
-
-def world_size(trainer_cfg) -> int:
-    devices = trainer_cfg.get("devices", 1)
-    if isinstance(devices, int) and devices > 0:
-        per_node = devices
-    elif isinstance(devices, (list, tuple)) or hasattr(devices, "__len__") and not isinstance(devices, str):
-        per_node = len(devices)
-    else:
-        per_node = max(torch.cuda.device_count(), 1) if trainer_cfg.accelerator == "gpu" else 1
-    return per_node * int(trainer_cfg.get("num_nodes", 1))
 
 
 @dataclass
@@ -123,9 +113,11 @@ class Stage1Cache:
 
 
 def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Trainer:
+    """The stage's Trainer: validation (the curve) every `eval_every_steps` optimizer steps, and the last checkpoint
+    written after each validation, so a checkpoint always holds the curve up to its own step."""
     trainer_cfg = cfg.trainer
-    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints" / plan.kind, every_n_train_steps=plan.eval_every_steps,
-                                 save_top_k=0, save_last=True, enable_version_counter=False)
+    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints" / plan.kind, filename="last", save_top_k=1,
+                                 monitor=None, enable_version_counter=False, save_on_train_epoch_end=False)
     strategy = (trainer_cfg.get("stage_strategy") or {}).get(plan.kind, trainer_cfg.strategy)
     # max_epochs=-1: the sampler ends the data at max_steps; with max_epochs=1 a resumed run stops early (tested)
     return L.Trainer(
@@ -133,7 +125,8 @@ def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Tr
         strategy=strategy, precision=trainer_cfg.precision, max_steps=plan.total_steps, max_epochs=-1,
         gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
         callbacks=[*callbacks, checkpoint], default_root_dir=str(run_dir), use_distributed_sampler=False,
-        limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1, enable_model_summary=False,
+        val_check_interval=plan.eval_every_steps, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        log_every_n_steps=1, enable_model_summary=False, inference_mode=False,
         deterministic=trainer_cfg.get("deterministic", False),
     )
 
@@ -164,26 +157,33 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool) -> 
         return cached
     windows = {name: token_windows(docs, ctx.tokenizer, int(cfg.eval.seq_len), int(cfg.eval.num_windows))
                for name, docs in eval_sets(cfg.data, ctx.splits).items()}
-    curve = PerplexityCurve(windows, plan.eval_every_steps * plan.tokens_per_step, int(cfg.eval.batch_size), on_curve)
-    module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps)
-    trainer = make_trainer(cfg, plan, ctx.run_dir, logger, [curve, *ctx.extra_callbacks])
+    plan.data.eval_loaders = lambda: eval_dataloaders(windows, int(cfg.eval.batch_size), ctx.ranks.rank,
+                                                      ctx.ranks.world_size)
+    module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps, eval_names=list(windows),
+                               on_curve=on_curve)
+    trainer = make_trainer(cfg, plan, ctx.run_dir, logger, ctx.extra_callbacks)
     last = ctx.run_dir / "checkpoints" / plan.kind / "last.ckpt"
     ckpt_path = str(last) if resume and last.is_file() else None
     if ckpt_path:
         log.info("stage %s: resuming from %s", plan.kind, ckpt_path)
     start = time.perf_counter()
     with teacher_in_dtype(ctx.teacher, plan.cfg.get("teacher_dtype")):
+        if ckpt_path is None:
+            trainer.validate(module, datamodule=plan.data, verbose=False)  # the curve's point at token 0
         trainer.fit(module, datamodule=plan.data, ckpt_path=ckpt_path)
+        if module.last_eval_tokens != module.tokens_seen:
+            trainer.validate(module, datamodule=plan.data, verbose=False)  # the last point, between two intervals
     seconds = time.perf_counter() - start
     student.requires_grad_(False)
     record = {
         "kind": plan.kind, "settings": plain(plan.cfg), "steps": int(trainer.global_step),
         "tokens_seen": module.tokens_seen, "tokens_per_step": plan.tokens_per_step, "world_size": trainer.world_size,
         "seconds_this_process": round(seconds, 2), "loss_first": module.loss_first, "loss_last": module.loss_last,
-        "rank_weight_digests": module.rank_weight_digests, "curve": curve.curve, "resumed": ckpt_path is not None,
+        "rank_weight_digests": module.rank_weight_digests, "curve": module.curve, "resumed": ckpt_path is not None,
         "cached": False,
     }
-    first, final = ({name: points[i]["ppl"] for name, points in curve.curve.items() if points} for i in (0, -1))
+    student.to(ctx.device)  # Lightning hands the module back on the CPU
+    first, final = ({name: points[i]["ppl"] for name, points in module.curve.items() if points} for i in (0, -1))
     if trainer.is_global_zero:
         print(f"stage {plan.kind}: {module.tokens_seen:,} tokens in {trainer.global_step} steps, {seconds:.0f} s "
               f"in this process; loss {module.loss_first:.4g} -> {module.loss_last:.4g}; "

@@ -7,15 +7,22 @@ Both count `tokens_seen`, summed over all ranks, and log every metric with it as
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from typing import Callable
 
 import lightning as L
 import torch
 
 from tcal.calibration.align import alignment_loss, capture_teacher_io
+from tcal.evaluate.validation import PerplexityValidation
 from tcal.fingerprint import weights_digest
 from tcal.training.kd import chunked_kd_loss
+
+log = logging.getLogger(__name__)
+
+Curve = dict[str, list[dict]]  # eval set -> [{"tokens": int, "ppl": float}, ...]
 
 
 def lr_schedule(optimizer, name: str, total_steps: int, min_lr_ratio: float = 0.0):
@@ -31,16 +38,22 @@ def lr_schedule(optimizer, name: str, total_steps: int, min_lr_ratio: float = 0.
     return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}
 
 
-class StageModule(L.LightningModule):
-    """What both stages share: the teacher reference, token counting, logging, the optimizer and schedule."""
+class StageModule(PerplexityValidation):
+    """What both stages share: the teacher reference, token counting, logging, the optimizer and schedule, and
+    the perplexity curve (Lightning validation at token 0, every `eval_every_tokens` and at the end: one point per
+    eval set each time, kept in the checkpoint so a resumed run continues its curve)."""
 
     kind = "stage"
 
-    def __init__(self, student, teacher, cfg, total_steps: int):
+    def __init__(self, student, teacher, cfg, total_steps: int, eval_names=(),
+                 on_curve: Callable[[Curve], None] = lambda curve: None):
         super().__init__()
         self.student = student
         self._frozen = {"teacher": teacher}  # a plain dict: not a submodule
         self.cfg, self.total_steps = cfg, int(total_steps)
+        self.eval_names, self.on_curve = list(eval_names), on_curve
+        self.curve: Curve = {name: [] for name in self.eval_names}
+        self.last_eval_tokens: int | None = None
         self.tokens_seen = 0
         self.loss_first: float | None = None
         self.loss_last: float | None = None
@@ -51,8 +64,10 @@ class StageModule(L.LightningModule):
     def teacher(self):
         return self._frozen["teacher"]
 
+    def on_fit_start(self) -> None:
+        self.teacher.to(self.device)  # the run placed it on this rank's device already; a no-op then
+
     def setup(self, stage: str) -> None:
-        self.teacher.to(self.device)
         self.student.train()  # no dropout in these models; train mode states the intent (and silences Lightning)
         self.set_checkpointing(bool(self.cfg.get("checkpoint_mixers", False)),
                                bool(self.cfg.get("activation_checkpointing", False)))
@@ -126,12 +141,32 @@ class StageModule(L.LightningModule):
         gathered = self.all_gather(mine).reshape(-1)
         self.rank_weight_digests = [f"{int(d):015x}" for d in gathered.tolist()]
 
+    def evaluated(self) -> torch.nn.Module:
+        return self.student
+
+    def on_perplexities(self, ppl: dict[str, float]) -> None:
+        """One curve point per eval set at `tokens_seen`: logged with it as the step, handed to `on_curve`."""
+        tokens = int(self.tokens_seen)
+        self.last_eval_tokens = tokens
+        if not self.trainer.is_global_zero:
+            return
+        for name, value in ppl.items():
+            self.curve[name].append({"tokens": tokens, "ppl": value})
+        metrics = {f"{self.kind}/ppl/{name}": value for name, value in ppl.items()}
+        for logger in self.trainer.loggers:
+            logger.log_metrics({**metrics, f"{self.kind}/tokens_seen": float(tokens)}, step=tokens)
+        log.info("%s at %d tokens: %s", self.kind, tokens, ", ".join(f"ppl {n} {v:.2f}" for n, v in ppl.items()))
+        self.on_curve(self.curve)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["tcal"] = {"tokens_seen": self.tokens_seen, "loss_first": self.loss_first}
+        checkpoint["tcal"] = {"tokens_seen": self.tokens_seen, "loss_first": self.loss_first, "curve": self.curve,
+                              "last_eval_tokens": self.last_eval_tokens}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.tokens_seen = int(checkpoint["tcal"]["tokens_seen"])
-        self.loss_first = checkpoint["tcal"]["loss_first"]
+        state = checkpoint["tcal"]
+        self.tokens_seen = int(state["tokens_seen"])
+        self.loss_first = state["loss_first"]
+        self.curve, self.last_eval_tokens = state["curve"], state["last_eval_tokens"]
 
 
 class AlignStage(StageModule):
@@ -143,8 +178,8 @@ class AlignStage(StageModule):
 
     kind = "align"
 
-    def __init__(self, student, teacher, cfg, total_steps: int):
-        super().__init__(student, teacher, cfg, total_steps)
+    def __init__(self, student, teacher, cfg, total_steps: int, **curve):
+        super().__init__(student, teacher, cfg, total_steps, **curve)
         self.gdn_layers = list(student.config.gdn_layers)
         student.requires_grad_(False)
         for i in self.gdn_layers:
@@ -172,8 +207,8 @@ class DistillStage(StageModule):
 
     kind = "distill"
 
-    def __init__(self, student, teacher, cfg, total_steps: int):
-        super().__init__(student, teacher, cfg, total_steps)
+    def __init__(self, student, teacher, cfg, total_steps: int, **curve):
+        super().__init__(student, teacher, cfg, total_steps, **curve)
         student.requires_grad_(True)
 
     def parameter_groups(self) -> list[dict]:
