@@ -75,7 +75,7 @@ def test_rerun_into_the_same_folder_skips_a_complete_run_and_continues_an_unfini
     assert (results.read_bytes(), results.stat().st_mtime_ns) == before
 
     calls = []
-    monkeypatch.setattr("tcal.pipeline.run", lambda cfg, folder, resume=False: calls.append((folder, resume)))
+    monkeypatch.setattr("tcal.pipeline.run", lambda cfg, folder, resume=False, ranks=None: calls.append((folder, resume)))
     data = json.loads(results.read_text())
     for name, status, config in [("unfinished", "trained_distill", data["config"]),
                                  ("other_config", "complete", {**data["config"], "seed": data["config"]["seed"] + 1}),

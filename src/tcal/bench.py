@@ -1,6 +1,7 @@
 """`tcal-bench [group ...] [-o hydra.override ...]`: speed and memory figures, one JSON line each.
 
-Groups: `gdn` (GDN CPU path against fla's naive recurrent reference), `student` (student against teacher
+Groups: `gdn` (GDN CPU path against fla's naive recurrent reference), `kl_memory` (the fused KL's extra peak
+memory on a 151,936-token head, in chunks of logits), `student` (student against teacher
 at 50% retention: forward, forward+backward, cache bytes, decode time), `stats` (peak memory of the
 streaming statistics at T=4096 against a plain forward), `phase2` (Phase 2 step against one GDN
 forward+backward), `init` (wall time and peak memory of the `phase2`, `full` and `full_plus` inits, uncached,
@@ -347,9 +348,62 @@ def bench_stage1(teacher, keep_layers, batch=4, seq_len=512, steps=3, overrides=
                 threads=torch.get_num_threads(), target="ratio <= 1.2")
 
 
+def _kl_memory_child(vocab: int, hidden_size: int, tokens: int, chunk: int, dtype_name: str, queue) -> None:
+    """One fused-KL forward+backward on random heads; the peak resident growth over the loaded tensors."""
+    from tcal.calibration.stats import _rss_kib
+    from tcal.training.kd import chunked_kd_loss
+
+    torch.set_num_threads(1)
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(0)
+    heads = [torch.nn.Linear(hidden_size, vocab, bias=False, dtype=dtype) for _ in range(2)]
+    for head in heads:
+        head.weight.data.normal_(0, 0.02, generator=gen)
+    hidden = torch.randn(1, tokens, hidden_size, generator=gen).to(dtype).requires_grad_()
+    teacher_hidden = torch.randn(1, tokens, hidden_size, generator=gen).to(dtype)
+    ids = torch.randint(vocab, (1, tokens), generator=gen)
+
+    def step():
+        loss, _ = chunked_kd_loss(hidden, teacher_hidden, heads[0], heads[1], ids, chunk_size=chunk)
+        loss.backward()
+
+    step()  # warm-up; then gradients set to None, as the optimizer's zero_grad leaves them before each step
+    hidden.grad = heads[0].weight.grad = None
+    before = _reset_peak_rss()
+    start = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - start
+    gradient_bytes = heads[0].weight.grad.numel() * heads[0].weight.grad.element_size()
+    queue.put(((_rss_kib("VmHWM") * 1024) - before, gradient_bytes, seconds))
+
+
+def bench_kl_memory(vocab: int = 151_936, hidden_size: int = 1024, tokens: int = 1024, chunk: int = 256) -> list[dict]:
+    """Peak memory one fused-KL step adds to its inputs and heads, for a Qwen-sized vocabulary: the head's
+    gradient (which any backward makes) and, beyond it, how many chunks of float32 logits (chunk x vocab x 4
+    bytes). Each dtype in a fresh process (peak RSS is per process)."""
+    import multiprocessing as mp
+
+    lines = []
+    for dtype_name in ("float32", "bfloat16"):
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_kl_memory_child, args=(vocab, hidden_size, tokens, chunk, dtype_name, queue))
+        proc.start()
+        extra, gradient_bytes, seconds = queue.get()
+        proc.join()
+        chunk_bytes = chunk * vocab * 4
+        beyond = extra - gradient_bytes
+        lines.append(emit(f"kl_memory_{dtype_name}", vocab=vocab, hidden=hidden_size, tokens=tokens, chunk=chunk,
+                          extra_peak_gb=extra / 2**30, head_gradient_gb=gradient_bytes / 2**30,
+                          beyond_gradient_gb=beyond / 2**30, float32_chunk_gb=chunk_bytes / 2**30,
+                          beyond_gradient_in_chunks=beyond / chunk_bytes, seconds=seconds,
+                          target="beyond_gradient_in_chunks about 2-3 (a head copy would add vocab x hidden)"))
+    return lines
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = ["gdn", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain"]
+    groups = ["gdn", "kl_memory", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain"]
     parser.add_argument("groups", nargs="*", default=groups, choices=groups)
     parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
     args = parser.parse_args(argv)
@@ -358,7 +412,9 @@ def main(argv=None) -> None:
     print(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__}), flush=True)
     if "gdn" in args.groups:
         bench_gdn()
-    if set(args.groups) - {"gdn"}:
+    if "kl_memory" in args.groups:
+        bench_kl_memory()
+    if set(args.groups) - {"gdn", "kl_memory"}:
         from hydra import compose, initialize_config_dir
 
         from tcal.app import CONF_DIR

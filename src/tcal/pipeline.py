@@ -147,7 +147,7 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
             save_results()
 
         with timed(timings, f"stage_{plan.kind}"):
-            record = run_stage(plan, ctx, student, logger, on_curve, resume)
+            record, student = run_stage(plan, ctx, student, logger, on_curve, resume)
         results.setdefault("stages", {})[plan.kind] = record
         results["curve"] = record["curve"]
         results["status"] = f"trained_{plan.kind}"

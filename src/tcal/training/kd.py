@@ -18,6 +18,16 @@ import torch
 import torch.nn.functional as F
 
 
+def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dimension, in place (one chunk of logits alive, not two)."""
+    return logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b) without materializing the product."""
+    return torch.dot(a.reshape(-1), b.reshape(-1))
+
+
 class _FusedHeadKL(torch.autograd.Function):
     """loss = mean KL(teacher || student) + ce_weight * mean CE over rows, for student logits = hidden @ weight.T.
 
@@ -32,20 +42,23 @@ class _FusedHeadKL(torch.autograd.Function):
         for start in range(0, count, chunk_size):
             rows = slice(start, start + chunk_size)
             h = hidden[rows].to(weight.dtype)
-            teacher_logp = F.log_softmax((teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.T).float(), dim=-1)
-            student_logp = F.log_softmax((h @ weight.T).float(), dim=-1)
-            teacher_p, student_p = teacher_logp.exp(), student_logp.exp()
-            kl_sum = kl_sum + (teacher_p * (teacher_logp - student_logp)).sum()
+            student_logp = _log_softmax_((h @ weight.T).float())
+            teacher_logp = _log_softmax_((teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.T).float())
+            teacher_p = teacher_logp.exp()
+            kl_sum = kl_sum + _dot(teacher_p, teacher_logp) - _dot(teacher_p, student_logp)
+            del teacher_logp
             picked = student_logp.gather(-1, targets[rows, None])[:, 0]
             ce_sum = ce_sum - (picked * ce_rows[rows]).sum()
-            grad_logits = (student_p - teacher_p) / count  # d mean-KL / d logits
+            # d loss / d logits = (softmax - teacher p) / count + ce_weight / ce_count * (softmax - onehot) * ce row
+            ce_scale = (ce_weight / ce_count) * ce_rows[rows, None]
+            grad_logits = student_logp.exp_().mul_(ce_scale + 1.0 / count).sub_(teacher_p, alpha=1.0 / count)
+            del teacher_p
             if ce_weight:
-                onehot = torch.zeros_like(student_p).scatter_(-1, targets[rows, None], 1.0)
-                grad_logits += (ce_weight / ce_count) * (student_p - onehot) * ce_rows[rows, None]
-            del teacher_logp, student_logp, teacher_p, student_p
+                grad_logits.scatter_add_(-1, targets[rows, None], -ce_scale)
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[rows] = grad_logits @ weight
             grad_weight += grad_logits.T @ h
+            del grad_logits
         ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype))
         kl, ce = kl_sum / count, ce_sum / ce_count
         loss = kl + ce_weight * ce  # a tensor of its own: kl and ce are returned without gradients
@@ -54,8 +67,8 @@ class _FusedHeadKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_kl, _grad_ce):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors  # scaled in place: no second head-sized tensor
+        return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None, None, None, None
 
 
 def chunked_kd_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head, teacher_head,

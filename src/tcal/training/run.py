@@ -145,8 +145,50 @@ def teacher_in_dtype(teacher, dtype_name: str | None):
         teacher.to(own)
 
 
-def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool) -> dict:
-    """Train `student` in place for one stage; returns the stage's record (summary and curve)."""
+def student_weights(state: dict) -> dict:
+    """The student's entries of a LightningModule state dict (wrappers' prefixes such as `_forward_module.` cut)."""
+    marker = "student."
+    return {key[key.index(marker) + len(marker):]: value for key, value in state.items() if marker in key}
+
+
+def deepspeed_fp32_state(trainer, folder: Path) -> dict | None:
+    """The float32 master weights of a DeepSpeed run, consolidated from a final checkpoint (on rank 0)."""
+    trainer.save_checkpoint(folder)  # every rank writes its ZeRO shards
+    if not trainer.is_global_zero:
+        return None
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="checkpoint")
+
+
+def unsharded_student(trainer, student, ctx, kind: str):
+    """The trained student as a plain module on the run's device, on every rank. One device and DDP train the
+    student's own parameters (Lightning hands them back on the CPU); FSDP's full state dict (gathered on rank 0)
+    and DeepSpeed's consolidated float32 weights are loaded into a fresh copy and broadcast from rank 0."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, FSDPStrategy):
+        state = strategy.lightning_module_state_dict()
+    elif isinstance(strategy, DeepSpeedStrategy):
+        state = deepspeed_fp32_state(trainer, ctx.run_dir / "checkpoints" / kind / "consolidated")
+    else:
+        return student.to(ctx.device)
+    from tcal.hybrid import HybridForCausalLM
+
+    fresh = HybridForCausalLM(student.config).to(next(ctx.teacher.parameters()).dtype)
+    if ctx.ranks.is_main:
+        fresh.load_state_dict(student_weights(state))
+    fresh.tie_weights()
+    fresh.requires_grad_(False).to(ctx.device)
+    ctx.ranks.broadcast_module(fresh, src=0)
+    log.info("stage %s: the student's full weights gathered from %s", kind, type(strategy).__name__)
+    return fresh
+
+
+def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
+    """Train `student` for one stage; returns (the stage's record: summary and curve, the trained student). The
+    student is trained in place except under FSDP and DeepSpeed, whose full weights come back in a fresh copy."""
     cfg = ctx.cfg
     cache = Stage1Cache(ctx.cache_dir / "stage1" / cfg.teacher.name
                         if plan.kind == "align" and plan.cfg.get("cache", True) else None)
@@ -154,7 +196,7 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool) -> 
     if key is not None and (cached := cache.load(key, student)) is not None:
         log.info("stage align: reused from the Stage 1 cache (%s)", key)
         on_curve(cached["curve"])
-        return cached
+        return cached, student
     windows = {name: token_windows(docs, ctx.tokenizer, int(cfg.eval.seq_len), int(cfg.eval.num_windows))
                for name, docs in eval_sets(cfg.data, ctx.splits).items()}
     plan.data.eval_loaders = lambda: eval_dataloaders(windows, int(cfg.eval.batch_size), ctx.ranks.rank,
@@ -182,7 +224,7 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool) -> 
         "rank_weight_digests": module.rank_weight_digests, "curve": module.curve, "resumed": ckpt_path is not None,
         "cached": False,
     }
-    student.to(ctx.device)  # Lightning hands the module back on the CPU
+    student = unsharded_student(trainer, student, ctx, plan.kind)
     first, final = ({name: points[i]["ppl"] for name, points in module.curve.items() if points} for i in (0, -1))
     if trainer.is_global_zero:
         print(f"stage {plan.kind}: {module.tokens_seen:,} tokens in {trainer.global_step} steps, {seconds:.0f} s "
@@ -190,4 +232,4 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool) -> 
               + ", ".join(f"ppl {n} {first[n]:.2f} -> {final[n]:.2f}" for n in final), flush=True)
         if key is not None:
             cache.save(key, student, record)
-    return record
+    return record, student

@@ -105,6 +105,21 @@ class StageModule(PerplexityValidation):
         return {"optimizer": optimizer,
                 "lr_scheduler": lr_schedule(optimizer, cfg.schedule, self.total_steps, cfg.get("min_lr_ratio", 0.0))}
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Norm clipping also for the fused AdamW under bf16 autocast: bfloat16 has no gradient scaler, so there is
+        nothing to unscale first (Lightning's mixed-precision plugin refuses every fused optimizer, scaler or not).
+        Sharded strategies clip their own way."""
+        from lightning.pytorch.plugins.precision import MixedPrecision
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        plugin, strategy = self.trainer.precision_plugin, self.trainer.strategy
+        if (gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None
+                and type(strategy) in (SingleDeviceStrategy, DDPStrategy)):
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def count_tokens(self, batch: torch.Tensor) -> int:
         """Add this step's tokens over all ranks to tokens_seen."""
         local = torch.tensor(float(batch.numel()), dtype=torch.float64, device=batch.device)

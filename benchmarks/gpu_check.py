@@ -1,0 +1,229 @@
+"""`make gpu-check`: the paper-scale path on one CUDA GPU, in a few minutes, one JSON line per figure.
+
+    make gpu-check                      # or: .venv/bin/python benchmarks/gpu_check.py [--only kernels,decode]
+
+Checks, each a line with `"ok": true|false` (the exit code is 1 when any is false):
+- `kernel_parity`: fla's chunk kernel against the torch chunk path (the CPU path, run on the GPU) at SmolLM2 and
+  Qwen2.5-1.5B widths, forward and gradients, bfloat16 and float32;
+- `zero_shot_full`: SmolLM2 `init=full` on the GPU (calibration, evaluation): wall time, and the student's
+  perplexity against the CPU run's figure (within 1%);
+- `stage2_throughput`: 50 Stage 2 steps at 8 x 2048 tokens in bf16-mixed: tokens/s, peak memory, and the first
+  step's loss against the same step in float32 on the CPU;
+- `decode`: time per generated token at 4k, 16k and 32k tokens of context, student (ratio 0.5) against teacher;
+- `qwen_width`: a random 4-layer model of Qwen2.5-1.5B's width through `full` calibration and Stage 2 steps in
+  bf16-mixed (finite, and the loss falls).
+Without CUDA it prints one line saying so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# `tcal init=full` on SmolLM2-135M, CPU, float32, uniform 0.5, held-out Shakespeare 16 x 512 (results.json of
+# `make run`; docs/results.md): the figure the GPU run must reproduce within 1%.
+CPU_FULL_STUDENT_PPL = 70.68
+ROOT = Path(__file__).resolve().parents[1]
+FAILED: list[str] = []
+
+
+def emit(check: str, ok: bool | None = None, **values) -> None:
+    line = {"check": check, **({} if ok is None else {"ok": bool(ok)}),
+            **{k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}}
+    print(json.dumps(line), flush=True)
+    if ok is False:
+        FAILED.append(check)
+
+
+def cuda_seconds(fn, repeats: int = 3) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def compose_cfg(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from tcal.app import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def check_kernels() -> None:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from tcal.gdn import chunk_gated_delta_rule_torch
+
+    for width, heads, dim in (("smollm2", 9, 64), ("qwen2_5_1_5b", 12, 128)):
+        for dtype in (torch.float32, torch.bfloat16):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            shape = (2, 2048, heads, dim)
+            q, k = (torch.nn.functional.normalize(torch.randn(shape, device="cuda", generator=gen), dim=-1) for _ in "qk")
+            v = torch.randn(shape, device="cuda", generator=gen)
+            g = -torch.rand(shape[:3], device="cuda", generator=gen) * 0.1
+            beta = torch.rand(shape[:3], device="cuda", generator=gen)
+            grad_out = torch.randn(shape, device="cuda", generator=gen)
+
+            def run(kernel):
+                inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [g.clone().requires_grad_(),
+                                                                             beta.to(dtype).requires_grad_()]
+                if kernel:
+                    o, _ = chunk_gated_delta_rule(*inputs[:3], g=inputs[3], beta=inputs[4], scale=dim**-0.5,
+                                                  use_qk_l2norm_in_kernel=False)
+                else:
+                    o, _ = chunk_gated_delta_rule_torch(*[t.float() for t in inputs[:3]], inputs[3],
+                                                        inputs[4].float(), 64, dim**-0.5)
+                (o.float() * grad_out).sum().backward()
+                return [o.float()] + [t.grad.float() for t in inputs]
+
+            fla, ours = run(True), run(False)
+            errors = [((a - b).norm() / b.norm().clamp_min(1e-12)).item() for a, b in zip(fla, ours)]
+            tolerance = 1e-3 if dtype == torch.float32 else 3e-2
+            emit("kernel_parity", max(errors) < tolerance, width=width, dtype=str(dtype).removeprefix("torch."),
+                 relative_errors=dict(zip(["o", "dq", "dk", "dv", "dg", "dbeta"], [round(e, 6) for e in errors])),
+                 tolerance=tolerance)
+
+
+def check_zero_shot() -> None:
+    from tcal.pipeline import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose_cfg("init=full", "trainer=gpu", "eval/harness=none", "save_student=false",
+                          f"paths.cache_dir={tmp}/cache")
+        start = time.perf_counter()
+        results = run(cfg, Path(tmp) / "run")
+        wall = time.perf_counter() - start
+    ppl = results["metrics"]["shakespeare"]["student_ppl"]
+    emit("zero_shot_full", abs(ppl / CPU_FULL_STUDENT_PPL - 1) < 0.01, wall_s=wall, student_ppl=ppl,
+         cpu_student_ppl=CPU_FULL_STUDENT_PPL, teacher_ppl=results["metrics"]["shakespeare"]["teacher_ppl"],
+         init_s=results["timings"]["init"], evaluate_s=results["timings"]["evaluate"],
+         kernel_path=results["kernel_path"])
+
+
+def smollm2_pair(ratio: float = 0.5):
+    from tcal.convert import build_student
+    from tcal.retention.uniform import uniform_layers
+    from tcal.teachers.load import load_teacher
+
+    cfg = compose_cfg()
+    teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
+    student = build_student(teacher, uniform_layers(teacher.config.num_hidden_layers, ratio))
+    return teacher, student
+
+
+def distill_module(teacher, student, steps: int):
+    from tcal.training.stages import DistillStage
+
+    return DistillStage(student, teacher, compose_cfg("stage=distill").stage, steps)
+
+
+def check_stage2(steps: int = 50, batch: int = 8, seq_len: int = 2048) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    teacher, student = smollm2_pair()
+    gen = torch.Generator().manual_seed(0)
+    batches = torch.randint(3, teacher.config.vocab_size, (steps * batch, seq_len), generator=gen)
+    with torch.no_grad():  # the first step's loss on the CPU, float32, same weights and batch
+        cpu_loss = distill_module(teacher, student, steps).loss(batches[:batch])[0].item()
+    module = distill_module(teacher.cuda(), student.cuda(), steps)
+    losses = []
+    original = module.loss
+    module.loss = lambda b: (lambda out: (losses.append(out[0].item()), out)[1])(original(b))
+    trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        gradient_clip_val=1.0)
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer.fit(module, DataLoader(batches, batch_size=batch))
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    emit("stage2_throughput", abs(losses[0] / cpu_loss - 1) < 0.05 and all(map(math.isfinite, losses)),
+         steps=steps, batch=batch, seq_len=seq_len, tokens_per_s=steps * batch * seq_len / wall,
+         peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30, first_loss_gpu_bf16=losses[0],
+         first_loss_cpu_fp32=cpu_loss, last_loss=losses[-1])
+
+
+@torch.no_grad()
+def decode_seconds(model, context: int, new_tokens: int = 32) -> float:
+    ids = torch.randint(3, model.config.vocab_size, (1, context), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(0))
+    out = model(input_ids=ids, use_cache=True)
+    cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(new_tokens):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def check_decode() -> None:
+    teacher, student = smollm2_pair()
+    teacher, student = teacher.to("cuda", torch.bfloat16), student.to("cuda", torch.bfloat16)
+    for context in (4096, 16384, 32768):
+        t, s = decode_seconds(teacher, context), decode_seconds(student, context)
+        emit("decode", None, context=context, teacher_s=t, student_s=s, ratio=s / t)
+
+
+def check_qwen_width() -> None:
+    from tcal.pipeline import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose_cfg("teacher=tiny_qwen2", "teacher.config.hidden_size=1536", "teacher.config.intermediate_size=8960",
+                          "teacher.config.num_attention_heads=12", "teacher.config.num_key_value_heads=2",
+                          "teacher.config.head_dim=128", "teacher.config.vocab_size=151936", "teacher.dtype=bfloat16",
+                          "init=full", "calibration.phase2.steps=20", "trainer=gpu", "stage=distill",
+                          "stage.max_tokens=65536", "stage.eval_every_tokens=32768", "stage.batch_size=4",
+                          "stage.seq_len=2048", "eval/harness=none", "eval.num_windows=4", "save_student=false",
+                          f"paths.cache_dir={tmp}/cache")
+        start = time.perf_counter()
+        results = run(cfg, Path(tmp) / "run")
+    record = results["stages"]["distill"]
+    finite = all(math.isfinite(x) for x in (record["loss_first"], record["loss_last"]))
+    emit("qwen_width", finite and record["loss_last"] < record["loss_first"], wall_s=time.perf_counter() - start,
+         loss_first=record["loss_first"], loss_last=record["loss_last"], steps=record["steps"],
+         init_s=results["timings"]["init"])
+
+
+CHECKS = {"kernels": check_kernels, "zero_shot": check_zero_shot, "stage2": check_stage2, "decode": check_decode,
+          "qwen_width": check_qwen_width}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(CHECKS), help=f"comma list of {', '.join(CHECKS)}")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(json.dumps({"check": "gpu", "skipped": "no CUDA device visible; nothing to check here"}), flush=True)
+        return 0
+    emit("gpu", None, device=torch.cuda.get_device_name(), torch=torch.__version__)
+    for name in args.only.split(","):
+        start = time.perf_counter()
+        try:
+            CHECKS[name]()
+        except Exception as err:  # one broken check must not hide the others' figures
+            emit(name, False, error=f"{type(err).__name__}: {err}")
+        print(json.dumps({"check": name, "seconds": round(time.perf_counter() - start, 1)}), flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
