@@ -57,7 +57,7 @@ class _FusedHeadKL(torch.autograd.Function):
                 grad_logits.scatter_add_(-1, targets[rows, None], -ce_scale)
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[rows] = grad_logits @ weight
-            grad_weight += grad_logits.T @ h
+            grad_weight.addmm_(grad_logits.T, h)  # in place: no head-sized temporary per chunk
             del grad_logits
         ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype))
         kl, ce = kl_sum / count, ce_sum / ce_count
