@@ -3,6 +3,8 @@ the same losses within bfloat16's precision, and the fused KL keeps its memory t
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import pytest
 import torch
@@ -78,3 +80,28 @@ def test_fused_kl_on_bfloat16_heads_matches_float32_and_keeps_their_dtype():
     assert half[0].item() == pytest.approx(full[0].item(), rel=LOSS_RTOL)
     for a, b in zip(full[1:], half[1:]):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.float().flatten(), dim=0) > 0.99
+
+
+def test_bfloat16_teacher_run_calibrates_and_trains_in_bf16_mixed(tmp_path):
+    """The paper teachers' setting on a tiny one: teacher in bfloat16, `full` calibration on float32 copies of the
+    layers, Stage 1 and Stage 2 in bf16-mixed on float32 student weights, exported in float32."""
+    import json
+
+    from conftest import isolated_cache_dir
+
+    from tcal.pipeline import run
+
+    cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", "init=full",
+                  "teacher.dtype=bfloat16", "trainer.precision=bf16-mixed", "stage=align_distill",
+                  "stage.align.batch_size=2", "stage.align.seq_len=32", "stage.align.max_tokens=128",
+                  "stage.align.eval_every_tokens=128", "stage.distill.batch_size=2", "stage.distill.seq_len=32",
+                  "stage.distill.max_tokens=128", "stage.distill.eval_every_tokens=128", "eval.num_windows=2")
+    results = run(cfg, tmp_path / "run")
+    assert results["status"] == "complete"
+    for kind in ("align", "distill"):
+        record = results["stages"][kind]
+        assert all(math.isfinite(record[k]) for k in ("loss_first", "loss_last"))
+    assert all(math.isfinite(m["student_ppl"]) for m in results["metrics"].values())
+    assert all("phase2" in layer for layer in results["calibration"]["layers"].values())
+    saved = json.loads((tmp_path / "run" / "student" / "config.json").read_text())
+    assert saved.get("dtype", saved.get("torch_dtype")) == "float32"

@@ -81,6 +81,11 @@ def prepare(cfg, run_dir: Path, timings: dict, ranks: Ranks | None = None) -> Ru
     return RunContext(cfg, teacher, tokenizer, splits, Path(cfg.paths.cache_dir), Path(run_dir), ranks=ranks)
 
 
+def is_mixed(precision) -> bool:
+    """Mixed precision: float32 weights (and optimizer states), reduced-precision compute."""
+    return str(precision).endswith("-mixed")
+
+
 def save_student(student, tokenizer, folder: Path) -> None:
     """save_pretrained into a temporary folder, then rename: a checkpoint is whole or absent."""
     def write(tmp: Path) -> None:
@@ -140,6 +145,10 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
 
     logger = make_logger(cfg, run_dir)
     tokens_seen = 0
+    if plans and is_mixed(cfg.trainer.precision) and student.dtype != torch.float32:
+        log.info("trainer.precision=%s: the student trains on float32 weights (it was %s); compute is autocast",
+                 cfg.trainer.precision, student.dtype)
+        student.float()
     for plan in plans:
         def on_curve(curve, kind=plan.kind):
             results.setdefault("stages", {}).setdefault(kind, {})["curve"] = curve

@@ -176,7 +176,8 @@ def unsharded_student(trainer, student, ctx, kind: str):
         return student.to(ctx.device)
     from tcal.hybrid import HybridForCausalLM
 
-    fresh = HybridForCausalLM(student.config).to(next(ctx.teacher.parameters()).dtype)
+    fresh = HybridForCausalLM(student.config).to(torch.float32 if str(ctx.cfg.trainer.precision).endswith("-mixed")
+                                                  else next(ctx.teacher.parameters()).dtype)
     if ctx.ranks.is_main:
         fresh.load_state_dict(student_weights(state))
     fresh.tie_weights()
