@@ -1,5 +1,5 @@
-"""Taylor-Calibrate (DESIGN section 5): each Phase 1 rule against hand-computed values, Phase 2's alignment and
-best-state restore, the init modes against each other, the artifact cache, and padding.
+"""Taylor-Calibrate (docs/method.md, section "Init modes"): each Phase 1 rule against hand-computed values,
+Phase 2's alignment and best-state restore, the init modes against each other, the artifact cache, and padding.
 
 Everything is tiny (hidden 16-64, a few dozen tokens, a handful of Phase 2 steps), so the file runs in seconds.
 """

@@ -1,4 +1,4 @@
-"""Crash safety (issue 11, items 3 and 7): every cache entry is one file written whole; a truncated or foreign
+"""Crash safety: every cache entry is one file written whole; a truncated or foreign
 entry is rebuilt with a warning, never trusted and never a crash; (slow) a sweep of 8 parallel `tcal`
 processes sharing one cache directory leaves every entry whole and readable."""
 

@@ -1,6 +1,6 @@
-"""`full_plus` (issue 12): the calibration pool comes from the calibration split only and never overlaps its
-held-out windows; the held-out loss picks the state kept; the mode runs end to end on a tiny teacher, same seed
-same layers, and its artifacts are reused. Everything is tiny: the file runs in seconds."""
+"""`full_plus` (docs/method.md, section "full_plus"): the calibration pool comes from the calibration split only
+and never overlaps its held-out windows; the held-out loss picks the state kept; the mode runs end to end on a tiny
+teacher, same seed same layers, and its artifacts are reused. Everything is tiny: the file runs in seconds."""
 
 from __future__ import annotations
 

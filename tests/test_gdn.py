@@ -123,7 +123,7 @@ def make_gdn(seed=0, hidden=D, heads=H, head_dim=DH) -> GatedDeltaNet:
 
 
 def equations_by_hand(gdn: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
-    """DESIGN section 3 token by token, float64, the state a [V, K] matrix:
+    """The equations of docs/method.md, section "The GDN layer", token by token, float64, the state a [V, K] matrix:
     S_t = exp(g_t)(S - beta S k k^T) + beta v k^T; o_t = S_t q_t / sqrt(dk); y = Wo(RMSNorm(o) * silu(Wg x))."""
     B, T, _ = x.shape
     Hn, dh = gdn.num_heads, gdn.head_dim

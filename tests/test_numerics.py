@@ -1,4 +1,4 @@
-"""Numerical faults (issue 11, item 2): degenerate calibration statistics still give finite parameters; a NaN
+"""Numerical faults: degenerate calibration statistics still give finite parameters; a NaN
 loss in Phase 2, Stage 1 or Stage 2 stops that work naming the layer, step and tokens, and keeps the last
 checkpoint and results.json."""
 

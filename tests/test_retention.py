@@ -1,5 +1,5 @@
-"""Retained-layer policies (DESIGN section 6): the uniform rule, AR and GA-S2 on tiny teachers, the score
-cache, bad input, ratio 1.0, and the rule that selection never reads the evaluation split."""
+"""Retained-layer policies (docs/method.md, section "Retained-layer policies"): the uniform rule, AR and GA-S2 on
+tiny teachers, the score cache, bad input, ratio 1.0, and the rule that selection never reads the evaluation split."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_uniform_rule(num_layers, ratio):
 
 
 def test_uniform_examples_and_tiny_ratios():
-    assert uniform_layers(28, 0.25) == [0, 4, 8, 12, 16, 20, 24]  # DESIGN's Qwen2.5-1.5B example
+    assert uniform_layers(28, 0.25) == [0, 4, 8, 12, 16, 20, 24]  # Qwen2.5-1.5B at ratio 0.25
     assert uniform_layers(30, 0.25) == [0, 3, 7, 11, 15, 18, 22, 26]  # 7.5 rounds up to 8
     assert len(uniform_layers(30, 0.75)) == 23
     for num_layers in (4, 28, 30, 36):
@@ -367,7 +367,7 @@ def test_pipeline_ratio_one(run_cache, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The sweep of the closing note
+# The retention-policy sweep (sweeps/retention_policies.yaml)
 
 
 def test_retention_sweep_composes():

@@ -1,5 +1,6 @@
-"""Training stages (DESIGN section 7): the chunked KL against a direct computation, the data module's batches
-and splits, Stage 1 / Stage 2 lowering their loss, curves, the Stage 1 cache, kill-and-resume, DDP, bad input."""
+"""Training stages (docs/method.md, sections "Stage 1: alignment" and "Stage 2: distillation"): the chunked KL
+against a direct computation, the data module's batches and splits, Stage 1 / Stage 2 lowering their loss, curves,
+the Stage 1 cache, kill-and-resume, DDP, bad input."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Config validation (issue 11, item 1): every bad setting fails before work with a ConfigError naming the key,
+"""Config validation: every bad setting fails before work with a ConfigError naming the key,
 the bad value and what is allowed, and leaves no results.json; at the `tcal` entry it is one line on stderr
 and exit code 2."""
 

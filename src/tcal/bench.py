@@ -226,7 +226,7 @@ def bench_init(cfg) -> dict:
 
 def bench_init_modes(compose_cfg, modes=INIT_MODES_BENCHED) -> dict:
     """`bench_init` for each mode, then each mode's time and peak-memory increase over `full`'s
-    (issue 12: full_plus at most 1.5x the time and 2x the memory of full)."""
+    (the budget full_plus is held to: at most 1.5x the time and 2x the memory of full)."""
     figures = {mode: bench_init(compose_cfg(f"init={mode}")) for mode in modes}
     base = figures["full"]
     ratios = {mode: {"time_over_full": f["seconds"] / base["seconds"],

@@ -1,4 +1,4 @@
-"""Naive conversion (DESIGN section 4): teacher + keep list -> hybrid student.
+"""Naive conversion (docs/method.md, section "Naive conversion"): teacher + keep list -> hybrid student.
 
 Kept layers keep the teacher's attention module; GDN layers take Wq and Wo as they are and Wk, Wv
 expanded from the KV heads to the query heads. Everything else is copied unchanged.

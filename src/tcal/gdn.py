@@ -1,4 +1,4 @@
-"""The student's Gated DeltaNet mixer (DESIGN section 3, "gdn_v4").
+"""The student's Gated DeltaNet mixer, the paper's "gdn_v4" (docs/method.md, section "The GDN layer").
 
 Parameter names and shapes are fla's `GatedDeltaNet(expand_v=1, use_short_conv=False, use_gate=True)`,
 so a checkpoint loads into fla's layer. The projections, gates, l2norm and gated RMSNorm are plain torch;

@@ -1,4 +1,4 @@
-"""The hybrid student as a transformers-native model (DESIGN section 3).
+"""The hybrid student as a transformers-native model (docs/method.md, section "The hybrid student").
 
 The student *is* the teacher's own base model (LlamaModel, Qwen2Model, ...) with the `self_attn` of every
 `linear_attention` layer swapped for a `GatedDeltaNet`. Parameter names therefore match the teacher's

@@ -1,4 +1,5 @@
-"""One run (DESIGN section 2): teacher -> keep list -> student -> init -> training stages -> eval -> export.
+"""One run: teacher -> keep list -> student -> init -> training stages -> eval -> export (docs/method.md, section
+"One run").
 
 `run(cfg, run_dir)` is what the `tcal` entry calls; tests call it with composed configs. Bad settings fail
 before anything is written; results.json is rewritten atomically after each step ("status" says how far

@@ -1,4 +1,5 @@
-"""The per-layer alignment objective shared by Phase 2 of the init and Stage 1 training (DESIGN sections 5, 7).
+"""The per-layer alignment objective shared by Phase 2 of the init and Stage 1 training (docs/method.md, sections
+"Phase 2" and "Stage 1: alignment").
 
 A GDN layer sees the teacher-forced input x (the teacher's input_layernorm output entering the layer) and
 is pulled towards the teacher attention module's output y_T on the same input.

@@ -1,4 +1,5 @@
-"""Phase 1 of Taylor-Calibrate: closed-form GDN dynamics from teacher attention statistics (DESIGN section 5).
+"""Phase 1 of Taylor-Calibrate: closed-form GDN dynamics from teacher attention statistics (docs/method.md,
+section "Phase 1").
 
 Each rule is a small function on tensors, so tests can check it against hand-computed values;
 `apply_phase1` runs them in order on one GDN layer.
@@ -104,14 +105,14 @@ def set_output_gate(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask=None) -> di
     return {"alpha": alpha}
 
 
-# DESIGN's order matters: the value scale is fitted with the calibrated gates, the output gate copies the scaled Wv.
+# The order matters: the value scale is fitted with the calibrated gates, the output gate copies the scaled Wv.
 PHASE1_RULES = {"decay": set_decay, "write_gate": set_write_gate, "value_scale": set_value_scale,
                 "output_gate": set_output_gate}
 
 
 def apply_phase1(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask: torch.Tensor | None = None,
                  rules=tuple(PHASE1_RULES)) -> dict:
-    """Run the named Phase 1 rules (all by default) in DESIGN's order on one GDN layer; return what was set."""
+    """Run the named Phase 1 rules (all by default) in `PHASE1_RULES` order on one GDN layer; return what was set."""
     unknown = sorted(set(rules) - set(PHASE1_RULES))
     if unknown:
         raise ValueError(f"unknown Phase 1 rules {unknown}; expected a subset of {list(PHASE1_RULES)}")

@@ -2,8 +2,8 @@
 state kept by its loss on held-out windows of the same split.
 
 Why: the paper's Phase 2 fits 1,024 tokens and keeps its lowest *fitted* loss, and it overfits them (loss on
-unseen calibration-split windows 5-13x the fitted loss, DESIGN section 5). The same objective
-(`align.alignment_loss`) and optimizer, fed fresh windows each step and judged on windows it never fits,
+unseen calibration-split windows 5-13x the fitted loss; docs/method.md, section "Findings on full"). The same
+objective (`align.alignment_loss`) and optimizer, fed fresh windows each step and judged on windows it never fits,
 does not pay for that.
 """
 

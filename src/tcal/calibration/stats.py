@@ -1,4 +1,4 @@
-"""Streaming teacher attention statistics (DESIGN.md section 5, Phase 1).
+"""Streaming teacher attention statistics for Phase 1 (docs/method.md, section "Streaming teacher statistics").
 
 One teacher forward runs under a custom attention function that computes softmax attention
 blockwise (query blocks against their causal keys), so neither a [B, H, T, T] nor a

@@ -1,4 +1,4 @@
-"""Init modes: what happens to the naive GDN layers before evaluation (DESIGN section 5).
+"""Init modes: what happens to the naive GDN layers before evaluation (docs/method.md, section "Init modes").
 
 An init mode is `fn(gdns, cfg, ctx) -> dict` registered by name: `gdns` maps layer index to that layer's
 naive `GatedDeltaNet` (changed in place), `cfg` is the `init` config node, `ctx` the run's `RunContext`.

@@ -1,5 +1,5 @@
-"""`full_plus`: this project's own calibration (DESIGN section 5). The same statistics, Phase 1 rules and
-alignment objective as `full`, with the recipe the measurements support: the Phase 1 rules named in the
+"""`full_plus`: this project's own calibration (docs/method.md, section "full_plus"). The same statistics, Phase 1
+rules and alignment objective as `full`, with the recipe the measurements support: the Phase 1 rules named in the
 config only, Phase 2 on minibatches of a calibration-split pool, the state kept by held-out loss."""
 
 from omegaconf import OmegaConf

@@ -1,4 +1,4 @@
-"""Retained-layer policies: which layers stay softmax attention (DESIGN section 6).
+"""Retained-layer policies: which layers stay softmax attention (docs/method.md, section "Retained-layer policies").
 
 A policy is `fn(cfg, ctx) -> Selection`, registered by name; `cfg` is the `retention` config node and `ctx`
 the run's `RunContext` (teacher, tokenizer, data splits, init config, cache folder).

@@ -1,1 +1,2 @@
-"""Training stages (DESIGN section 7): data module, Stage 1 / Stage 2 LightningModules, curves, runner."""
+"""Training stages (docs/method.md, sections "Stage 1: alignment" and "Stage 2: distillation"): data module,
+Stage 1 / Stage 2 LightningModules, curves, runner."""

@@ -1,5 +1,5 @@
 """Forward KL(teacher || student) on next-token distributions, fused with the output head, in chunks of tokens
-(DESIGN section 7).
+(docs/method.md, section "Stage 2: distillation").
 
 The logits of a batch ([tokens, vocab] in float32) are the largest tensors of distillation: 2048 tokens of a
 49k vocabulary are 400 MB per model. Here they exist one chunk at a time. The gradient of the loss with respect

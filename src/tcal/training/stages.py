@@ -1,4 +1,5 @@
-"""The training stages as LightningModules (DESIGN section 7): Stage 1 alignment and Stage 2 distillation.
+"""The training stages as LightningModules: Stage 1 alignment and Stage 2 distillation (docs/method.md, sections
+"Stage 1: alignment" and "Stage 2: distillation").
 
 Both wrap the hybrid student (a registered submodule: it trains, moves and checkpoints with the module) and
 the frozen teacher (held outside the module tree: never trained, never checkpointed, never wrapped by DDP).
