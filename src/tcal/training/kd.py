@@ -18,16 +18,6 @@ import torch
 import torch.nn.functional as F
 
 
-def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
-    """log_softmax over the last dimension, in place (one chunk of logits alive, not two)."""
-    return logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
-
-
-def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum(a * b) without materializing the product."""
-    return torch.dot(a.reshape(-1), b.reshape(-1))
-
-
 class _FusedHeadKL(torch.autograd.Function):
     """loss = mean KL(teacher || student) + ce_weight * mean CE over rows, for student logits = hidden @ weight.T.
 
@@ -42,19 +32,22 @@ class _FusedHeadKL(torch.autograd.Function):
         for start in range(0, count, chunk_size):
             rows = slice(start, start + chunk_size)
             h = hidden[rows].to(weight.dtype)
-            student_logp = _log_softmax_((h @ weight.T).float())
-            teacher_logp = _log_softmax_((teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.T).float())
+            student_logp = F.log_softmax((h @ weight.T).float(), dim=-1)
+            teacher_logp = F.log_softmax((teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.T).float(),
+                                         dim=-1)
             teacher_p = teacher_logp.exp()
-            kl_sum = kl_sum + _dot(teacher_p, teacher_logp) - _dot(teacher_p, student_logp)
+            kl_sum = kl_sum + teacher_logp.sub_(student_logp).mul_(teacher_p).sum()  # in place: one chunk less
             del teacher_logp
             picked = student_logp.gather(-1, targets[rows, None])[:, 0]
             ce_sum = ce_sum - (picked * ce_rows[rows]).sum()
-            # d loss / d logits = (softmax - teacher p) / count + ce_weight / ce_count * (softmax - onehot) * ce row
-            ce_scale = (ce_weight / ce_count) * ce_rows[rows, None]
-            grad_logits = student_logp.exp_().mul_(ce_scale + 1.0 / count).sub_(teacher_p, alpha=1.0 / count)
-            del teacher_p
+            student_p = student_logp.exp_()
             if ce_weight:
-                grad_logits.scatter_add_(-1, targets[rows, None], -ce_scale)
+                grad_logits = (student_p - teacher_p) / count  # d mean-KL / d logits
+                onehot = torch.zeros_like(student_p).scatter_(-1, targets[rows, None], 1.0)
+                grad_logits += (ce_weight / ce_count) * (student_p - onehot) * ce_rows[rows, None]
+            else:
+                grad_logits = student_p.sub_(teacher_p).div_(count)  # the same values, in place
+            del teacher_p, student_p, student_logp
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[rows] = grad_logits @ weight
             grad_weight.addmm_(grad_logits.T, h)  # in place: no head-sized temporary per chunk
