@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from tcal.cache_entry import get_or_build, read_json, write_json
+from tcal.cache_entry import get_or_build, read_json_entry, write_json
 from tcal.data import Document, eval_sets, token_windows
 from tcal.evaluate.perplexity import perplexity
 from tcal.fingerprint import digest, plain, teacher_fingerprint
@@ -25,7 +25,7 @@ def cached_teacher(ctx, kind: str, settings, compute):
     tokenizer = digest(type(ctx.tokenizer).__name__, ctx.tokenizer.get_vocab())
     key = digest(teacher_fingerprint(ctx.teacher), tokenizer, kind, settings)
     path = ctx.cache_dir / "teacher_eval" / f"{kind}-{key}.json"
-    return get_or_build(path, lambda p: read_json(p, "teacher figure cache", lambda record: record["value"]),
+    return get_or_build(path, lambda p: read_json_entry(p, "teacher figure cache", lambda record: record["value"]),
                         compute, lambda p, value: write_json(p, {"kind": kind, "settings": settings, "value": value}))
 
 
