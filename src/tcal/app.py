@@ -16,6 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from tcal.arguments import check_arguments
 from tcal.errors import ConfigError
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -102,6 +103,7 @@ def main() -> None:
     """The `tcal` console script."""
     try:
         check_group_overrides(sys.argv[1:])
+        check_arguments(sys.argv[1:])
     except ConfigError as err:
         config_error_exit(err)
     hydra_main()
