@@ -3,16 +3,19 @@
 Hydra reports an override it cannot apply (a misspelled key, `+` on a key that exists, bad syntax) in several
 lines and exits with code 1, and inside a sweep it stops the whole sweep; here it is one `ConfigError` naming
 the argument, before any job runs. Keys added with `+` are checked once the job's config exists
-(`tcal.validate.check_known_keys`).
+(`tcal.validate.check_known_keys`). With `resume=RUN_DIR`, an override of a setting the recorded run holds is
+compared with it here (the default config may not even have that key), as the job does (`tcal.rerun`).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import re
+from pathlib import Path
 
 from tcal.errors import ConfigError
-from tcal.settings import CONF, group_options, unknown_key_message
+from tcal.settings import CONF, GLOBAL_GROUPS, group_options, unknown_key_message
 
 RUN_FLAGS = ("-m", "--multirun", "-r", "--run")  # flags that leave the overrides as they are
 
@@ -72,6 +75,32 @@ def one_line(err: Exception, job: list[str], args: list[str]) -> str:
     return f"{' '.join(job)}: {message}; expected overrides that compose"
 
 
+def check_resume_overrides(run_dir: str, overrides: list[str]) -> None:
+    """The overrides of `tcal resume=RUN_DIR ...` change no setting of the recorded run but safe ones."""
+    from tcal.errors import FolderInUse
+    from tcal.rerun import SAFE_ON_RESUME, describe, differing_keys, leaf_values
+
+    results = Path(run_dir) / "results.json"
+    try:
+        recorded = json.loads(results.read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # the job names the problem
+    given = {}
+    for arg in overrides:
+        override = parse(arg)
+        key = override.key_or_group
+        skipped = key in ("resume", *GLOBAL_GROUPS) or key.startswith("hydra")
+        if skipped or override.is_delete() or override.is_sweep_override():
+            continue
+        dotted = key.replace("/", ".")
+        given[f"{dotted}.name" if group_options(key) is not None else dotted] = override.value()
+    known = leaf_values(recorded)
+    differences = differing_keys({k: known.get(k) for k in given}, given)
+    if differences:
+        raise FolderInUse(f"resume={run_dir}: the run was started with other settings ({describe(differences)}); "
+                          f"expected only keys safe to change on resume ({', '.join(SAFE_ON_RESUME)})")
+
+
 def check_arguments(args: list[str]) -> None:
     """Every job that `args` describe composes; raises ConfigError with one line otherwise."""
     if any(a.startswith("-") and a not in RUN_FLAGS for a in args):
@@ -83,6 +112,9 @@ def check_arguments(args: list[str]) -> None:
                 raise ConfigError(f"{arg}: a sweep of values in a single run; expected tcal -m ... to run one job "
                                   f"per value, or {arg.split('=', 1)[0]}=[...] for a list")
     jobs = job_override_lists(overrides)
+    resume = next((a.split("=", 1)[1] for a in overrides if a.startswith("resume=")), None)
+    if resume:
+        check_resume_overrides(resume, overrides)
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException

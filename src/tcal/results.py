@@ -65,26 +65,19 @@ def write_json_atomic(path: str | Path, data) -> Path:
     return write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def strict_json(data, path: str = "") -> tuple[object, list[str]]:
-    """(`data` with every NaN or infinite float replaced by None, the dotted paths replaced as "path=value"):
-    JSON without the non-standard NaN / Infinity tokens."""
-    if isinstance(data, float) and not math.isfinite(data):
-        return None, [f"{path}={data}"]
-    if isinstance(data, dict):
-        found: list[str] = []
-        clean = {}
-        for key, value in data.items():
-            clean[key], inner = strict_json(value, f"{path}.{key}" if path else str(key))
-            found += inner
-        return clean, found
-    if isinstance(data, (list, tuple)):
-        found, clean = [], []
-        for i, value in enumerate(data):
-            item, inner = strict_json(value, f"{path}[{i}]")
-            clean.append(item)
-            found += inner
-        return clean, found
-    return data, []
+def null_non_finite(data, path: str = "") -> list[str]:
+    """Replace every NaN or infinite float in `data` (nested dicts and lists, changed in place) by None, so its
+    JSON holds no non-standard NaN / Infinity token; returns the replaced values as "dotted.path=value"."""
+    found: list[str] = []
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else []
+    for key, value in items:
+        where = f"{path}[{key}]" if isinstance(data, list) else f"{path}.{key}" if path else str(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            data[key] = None
+            found.append(f"{where}={value}")
+        else:
+            found += null_non_finite(value, where)
+    return found
 
 
 def write_folder_atomic(folder: str | Path, write: Callable[[Path], None], replace: bool = True) -> Path:

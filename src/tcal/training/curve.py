@@ -3,21 +3,37 @@
 A Lightning callback evaluates every eval set at token 0, each time `tokens_seen` crosses a multiple of
 `eval_every_tokens`, and at the end. The points live in the callback's state, which Lightning saves in each
 checkpoint, so a resumed run continues the curve of its checkpoint: no duplicated or missing points.
+A non-finite perplexity stops the stage on every rank (`Divergence`), before the point or a checkpoint is kept.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from tcal.errors import Divergence
 from tcal.evaluate.perplexity import perplexity
 
 log = logging.getLogger(__name__)
 
 Curve = dict[str, list[dict]]  # eval set -> [{"tokens": int, "ppl": float}, ...]
+
+
+def first_non_finite(ppl: dict[str, float]) -> tuple[str, float] | None:
+    return next(((name, value) for name, value in ppl.items() if not math.isfinite(value)), None)
+
+
+def stop_if_diverged(trainer, module, diverged: tuple[str, float] | None, tokens: int) -> None:
+    """Rank 0's verdict, shared with every rank so that all of them stop together."""
+    diverged = trainer.strategy.broadcast(diverged, src=0)
+    if diverged is not None:
+        name, value = diverged
+        raise Divergence.in_stage(module.kind, f"perplexity on eval set {name!r}", value, trainer.global_step,
+                                  tokens)
 
 
 class PerplexityCurve(Callback):
@@ -36,12 +52,16 @@ class PerplexityCurve(Callback):
 
     def evaluate(self, trainer, module, tokens: int) -> None:
         """Perplexity of the student on every eval set (on rank 0; the other ranks wait), appended at `tokens`."""
+        diverged = None
         if trainer.is_global_zero:
             student = module.student
             was_training = student.training
             student.eval()
             ppl = {name: perplexity(student, windows, self.batch_size) for name, windows in self.eval_windows.items()}
             student.train(was_training)
+            diverged = first_non_finite(ppl)
+        stop_if_diverged(trainer, module, diverged, tokens)
+        if trainer.is_global_zero:
             for name, value in ppl.items():
                 self.curve[name].append({"tokens": int(tokens), "ppl": value})
             metrics = {f"{module.kind}/ppl/{name}": value for name, value in ppl.items()}

@@ -14,6 +14,7 @@ import lightning as L
 import torch
 
 from tcal.calibration.align import alignment_loss, capture_teacher_io
+from tcal.errors import Divergence
 from tcal.fingerprint import weights_digest
 from tcal.training.kd import chunked_kd_loss
 
@@ -98,8 +99,7 @@ class StageModule(L.LightningModule):
 
     def check_finite(self, loss: torch.Tensor, what: str = "loss") -> None:
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"{self.kind}: {what} is {loss.item()} at step {self.global_step} "
-                                     f"(tokens_seen {self.tokens_seen}); stopping with the last checkpoint kept")
+            raise Divergence.in_stage(self.kind, what, loss.item(), self.global_step, self.tokens_seen)
 
     def log_step(self, loss: torch.Tensor, extra: dict) -> None:
         """Loss, extras, tokens_seen (also the logger's step) and throughput, on the progress bar too."""
@@ -126,12 +126,19 @@ class StageModule(L.LightningModule):
         gathered = self.all_gather(mine).reshape(-1)
         self.rank_weight_digests = [f"{int(d):015x}" for d in gathered.tolist()]
 
+    def on_fit_end(self) -> None:
+        """A fit resumed from a checkpoint of its last step trains nothing and skips on_train_end: gather here."""
+        if not self.rank_weight_digests:
+            self.on_train_end()
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["tcal"] = {"tokens_seen": self.tokens_seen, "loss_first": self.loss_first}
+        checkpoint["tcal"] = {"tokens_seen": self.tokens_seen, "loss_first": self.loss_first,
+                              "loss_last": self.loss_last}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = int(checkpoint["tcal"]["tokens_seen"])
         self.loss_first = checkpoint["tcal"]["loss_first"]
+        self.loss_last = checkpoint["tcal"].get("loss_last")
 
 
 class AlignStage(StageModule):
