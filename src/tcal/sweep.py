@@ -82,5 +82,4 @@ class SweepSummary(Callback):
         lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
         _failed[:] = [json.loads(line) for line in lines if line.strip()]
         for job in _failed:
-            print(f"tcal: sweep job {job['job']} failed ({' '.join(job['overrides'])}; {job['folder']}): "
-                  f"{job['error']}", file=sys.stderr, flush=True)
+            print(f"tcal: sweep job {job['job']} failed ({job['folder']}): {job['error']}", file=sys.stderr, flush=True)
