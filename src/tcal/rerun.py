@@ -68,6 +68,14 @@ def folder_state(run_dir: Path, record: dict | None, config: dict) -> str:
     return "complete" if record.get("status") == "complete" else "unfinished"
 
 
+def selected_groups(overrides: list[str]) -> list[str]:
+    """The config groups (as dotted nodes) that `group=option` overrides select."""
+    from tcal.settings import group_options
+
+    keys = [o.lstrip("+~").split("=", 1)[0].split("@")[0] for o in overrides]
+    return [k.replace("/", ".") for k in keys if not k.startswith("hydra") and group_options(k) is not None]
+
+
 def overridden_keys(overrides: list[str], cfg) -> set[str]:
     """The keys of `cfg` that command-line `overrides` name: `key=value` names key; `group=option` names
     the group's `name` (or all its keys)."""
@@ -92,11 +100,14 @@ def overridden_keys(overrides: list[str], cfg) -> set[str]:
 def resume_config(run_dir: Path, recorded, cfg, defaults, overrides: list[str]):
     """The recorded config of the run in `run_dir`, with the safe overrides of this command applied. `cfg` is
     the config this command composed, `defaults` the one without overrides: a key counts as overridden when the
-    command names it or when its value differs from the default (an experiment's keys). Any other change is
-    refused: a resumed run continues with the settings it was started with."""
+    command names it or when its value differs from the default (an experiment's keys; a group selected on the
+    command line counts by its name, not by its default values). Any other change is refused: a resumed run
+    continues with the settings it was started with."""
     current = OmegaConf.to_container(cfg, resolve=True)
     default = leaf_values(OmegaConf.to_container(defaults, resolve=True))
-    touched = overridden_keys(overrides, cfg) | {k for k, v in leaf_values(current).items() if default.get(k) != v}
+    selected = tuple(f"{group}." for group in selected_groups(overrides))
+    touched = overridden_keys(overrides, cfg) | {k for k, v in leaf_values(current).items()
+                                                 if default.get(k) != v and not k.startswith(selected)}
     recorded_values = OmegaConf.to_container(recorded, resolve=True)
     differences = differing_keys(recorded_values, current, touched)
     if differences:
