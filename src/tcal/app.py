@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from tcal.arguments import check_arguments
 from tcal.errors import ConfigError
+from tcal.settings import group_options
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 CONFIG_ERROR_EXIT = 2
@@ -60,12 +61,6 @@ def run_in(cfg, run_dir: Path) -> None:
     if earlier == "unfinished":
         print(f"tcal: {run_dir} holds this run, unfinished; continuing it", flush=True)
     run(cfg, run_dir, resume=earlier == "unfinished")
-
-
-def group_options(group: str) -> list[str] | None:
-    """The options of config group `group` (a folder of conf/), or None when `group` is not a group."""
-    folder = Path(CONF_DIR) / group
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else None
 
 
 def check_group_overrides(args: list[str]) -> None:

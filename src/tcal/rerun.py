@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tcal.errors import DamagedCheckpoint, FolderInUse
+from tcal.settings import group_options
 
 SAFE_ON_RESUME = ("resume", "task_name", "paths.*", "logger.*", "save_student", "*.cache", "*.cache_tokens")
 SHOWN = 4  # differing keys named in a message
@@ -68,24 +69,23 @@ def folder_state(run_dir: Path, record: dict | None, config: dict) -> str:
     return "complete" if record.get("status") == "complete" else "unfinished"
 
 
+def override_key(override: str) -> str | None:
+    """The key or group a command-line override names (`+a.b=1` -> a.b); None for Hydra's own settings."""
+    key = override.lstrip("+~").split("=", 1)[0].split("@")[0]
+    return None if key == "hydra" or key.startswith(("hydra.", "hydra/")) else key
+
+
 def selected_groups(overrides: list[str]) -> list[str]:
     """The config groups (as dotted nodes) that `group=option` overrides select."""
-    from tcal.settings import group_options
-
-    keys = [o.lstrip("+~").split("=", 1)[0].split("@")[0] for o in overrides]
-    return [k.replace("/", ".") for k in keys if not k.startswith("hydra") and group_options(k) is not None]
+    keys = [override_key(o) for o in overrides]
+    return [k.replace("/", ".") for k in keys if k and group_options(k) is not None]
 
 
 def overridden_keys(overrides: list[str], cfg) -> set[str]:
     """The keys of `cfg` that command-line `overrides` name: `key=value` names key; `group=option` names
     the group's `name` (or all its keys)."""
-    from tcal.settings import group_options
-
     keys = set()
-    for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0].split("@")[0]
-        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
-            continue
+    for key in filter(None, map(override_key, overrides)):
         dotted = key.replace("/", ".")
         if group_options(key) is None:
             keys.add(dotted)
