@@ -260,10 +260,11 @@ def test_sweep_runs_from_the_command_line(name, tmp_path):
     narrowed = [f"{key}=tiny_llama" if key == "teacher" else f"{key}={str(values).split(',')[0]}"
                 for key, values in params.items()]
     cache = isolated_cache_dir(tmp_path / "cache")
-    tiny_stage = [f"++stage.{key}={value}" for key, value in (("max_tokens", 128), ("eval_every_tokens", 64),
-                                                                ("batch_size", 2), ("seq_len", 32))]
-    tiny_stage += [f"++stage.{kind}.{key}={value}" for kind in ("align", "distill") for key, value in
-                   (("max_tokens", 128), ("eval_every_tokens", 64), ("batch_size", 2), ("seq_len", 32))]
+    stage = compose(f"+sweep={name}", *narrowed).stage
+    prefixes = [f"stage.{kind}" for kind in stage.sequence] if "sequence" in stage else \
+        [] if stage.name == "none" else ["stage"]
+    tiny_stage = [f"{prefix}.{key}={value}" for prefix in prefixes for key, value in
+                  (("max_tokens", 128), ("eval_every_tokens", 64), ("batch_size", 2), ("seq_len", 32))]
     command = tcal_command() + ["-m", f"+sweep={name}", *narrowed, f"paths.cache_dir={cache}",
                                 f"paths.output_dir={tmp_path / 'outputs'}", "teacher=tiny_llama", "eval.seq_len=32",
                                 "eval.num_windows=2", "eval/harness=none", "eval/ruler=none", "calibration.seq_len=64",

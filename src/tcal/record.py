@@ -96,7 +96,6 @@ def record_failure(run_dir: str | Path, err: BaseException, cfg=None, create: bo
         record["failed_after"] = record.get("status")
     record.update(status="failed", error=describe(err))
     write_record(path, record)
-    log.error("run failed: %s (record: %s)", record["error"], path)
     return path
 
 
@@ -110,7 +109,9 @@ def records_failure(run):
         except ConfigError:
             raise
         except Exception as err:
-            record_failure(run_dir, err, cfg)
+            path = record_failure(run_dir, err, cfg)
+            if path is not None:
+                log.error("run failed: %s (record: %s)", describe(err), path)
             raise
 
     return wrapper
