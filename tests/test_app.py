@@ -92,7 +92,8 @@ def test_rerun_into_the_same_folder_skips_a_complete_run_and_continues_an_unfini
             (folder / "results.json").write_text(results.read_text()[:100])
         run_in(cfg, folder)
     assert calls == [(tmp_path / "unfinished", True), (tmp_path / "cache_moved", True),
-                     (tmp_path / "failed_before_work", False), (tmp_path / "damaged", False), (tmp_path / "empty", False)]
+                     (tmp_path / "failed_before_work", False), (tmp_path / "damaged", False),
+                     (tmp_path / "empty", False)]
     assert "holds this run, unfinished; continuing it" in capsys.readouterr().out
 
 

@@ -1,4 +1,5 @@
-"""tcal-report on a hand-made multirun folder: exact table cells, CSVs, PNGs and the failed and incomplete runs, listed apart."""
+"""tcal-report on a hand-made multirun folder: exact table cells, CSVs, PNGs, and the failed and incomplete runs
+listed apart."""
 
 import csv
 import json

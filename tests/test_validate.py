@@ -154,8 +154,8 @@ def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     (["-m", "stage=align,distill", "stage.lr=0.1"], r"^stage.lr=0.1: no such setting in the job with stage=distill"),
     (["+seed=3"], r"^\+seed=3: seed is already a setting; expected seed=3$"),
     (["~stage.bogus"], r"^~stage.bogus: no such setting to delete"),
-    (["retention.keep=[0,"], r"^retention.keep=\[0,: cannot be read \(no viable alternative at input '\[0,'\); expected "
-                             r"key=value"),
+    (["retention.keep=[0,"], r"^retention.keep=\[0,: cannot be read \(no viable alternative at input '\[0,'\); "
+                             r"expected key=value"),
     (["retention.ratio=0.5,0.75"], r"^retention.ratio=0.5,0.75: a sweep of values in a single run; expected tcal -m"),
 ])
 def test_overrides_hydra_cannot_apply_are_one_error_before_any_job(args, match):

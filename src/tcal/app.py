@@ -19,8 +19,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from tcal.arguments import check_arguments
-from tcal.errors import ConfigError
+from tcal.errors import ConfigError, Divergence
 from tcal.settings import group_options
+from tcal.sweep import failed_jobs, sweep_job
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 CONFIG_ERROR_EXIT = 2
@@ -90,8 +91,6 @@ def run_failed_exit(err: Exception, run_dir: Path) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_main(cfg) -> None:
-    from tcal.errors import Divergence
-    from tcal.sweep import sweep_job
     run_dir = Path(cfg.resume or HydraConfig.get().runtime.output_dir)
     try:
         with sweep_job(cfg, run_dir):
@@ -113,7 +112,6 @@ def main() -> None:
     except ConfigError as err:
         config_error_exit(err)
     hydra_main()
-    from tcal.sweep import failed_jobs
     if failed_jobs():
         sys.exit(1)
 

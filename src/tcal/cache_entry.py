@@ -45,9 +45,10 @@ def entry_key(path: Path) -> str:
 
 
 def check_key(path: Path, written_as) -> None:
+    if written_as is None:
+        raise ForeignEntry("it carries no key (written by an older tcal, or not a cache entry)")
     if written_as != entry_key(path):
-        raise ForeignEntry(f"it was written under the key {written_as!r}, not {entry_key(path)!r} "
-                           f"(copied or renamed)" if written_as else "it carries no key (written by an older tcal, or not a cache entry)")
+        raise ForeignEntry(f"it was written under the key {written_as!r}, not {entry_key(path)!r} (copied or renamed)")
 
 
 def read_entry(path: str | Path, load: Callable[[Path], Any], what: str) -> Any | None:

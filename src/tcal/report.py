@@ -431,7 +431,8 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
                                    f"evaluations; gain = {baseline} tokens / the init's tokens", efficiency,
                                    efficiency_notes),
               "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs), [])}
-    parts = [f"# tcal report: {folder}\n\n{len(runs)} complete runs, {len(failed)} failed, {len(problems)} incomplete.\n"]
+    counts = f"{len(runs)} complete runs, {len(failed)} failed, {len(problems)} incomplete."
+    parts = [f"# tcal report: {folder}\n\n{counts}\n"]
     for name, (title, table, notes) in tables.items():
         write_csv(out_dir / f"{name}.csv", table)
         log_table(logger, name, *table)

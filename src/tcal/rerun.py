@@ -133,8 +133,9 @@ def checkpoint_progress(path: Path) -> dict:
         return {"step": int(checkpoint["global_step"]), "tokens_seen": int(checkpoint["tcal"]["tokens_seen"])}
     except Exception as err:  # noqa: BLE001 - whatever fails, the file is not a checkpoint of ours
         cause = " ".join(str(err).split()).split(". ")[0][:200]
-        raise DamagedCheckpoint(f"checkpoint {path} cannot be read ({type(err).__name__}: {cause}); expected a whole "
-                                f"checkpoint: restore it, or delete it to train its stage again from the start") from None
+        raise DamagedCheckpoint(f"checkpoint {path} cannot be read ({type(err).__name__}: {cause}); expected a "
+                                f"whole checkpoint: restore it, or delete it to train its stage again from the "
+                                f"start") from None
 
 
 def check_checkpoints(run_dir: Path) -> None:
