@@ -70,6 +70,12 @@ CASES = [
     (["init=full_plus", "init.phase2.weight_decay=-1"], r"init.phase2.weight_decay=-1; expected a number >= 0"),
     (["init=full_plus", "init.pool.seq_len=2048"], r"init.pool.windows=64 windows of init.pool.seq_len=2048 need "
                                                    r"131072 tokens, but the calibration split has \d+"),
+    # types: true/false and numbers where conf/ gives them
+    (["save_student=maybe"], r"save_student='maybe'; expected true or false"),
+    (["calibration.check=1"], r"calibration.check=1; expected true or false"),
+    (["stage=distill", "stage.lr_rest=fast"], r"stage.lr_rest='fast'; expected a learning rate > 0"),
+    (["calibration.phase1.gate_damping=strong"], r"calibration.phase1.gate_damping='strong'; expected a number"),
+    (["trainer.deterministic=yes"], r"trainer.deterministic='yes'; expected true or false"),
     # keys no code reads
     (["+stage.lr_mixr=0.1", "stage=distill"], r"stage.lr_mixr=0.1: no such setting \(did you mean stage.lr_mixer\?\)"),
     (["+seeds=3"], r"seeds=3: no such setting \(did you mean seed\?\)"),

@@ -21,28 +21,40 @@ NOT_SETTINGS = ("hydra", "defaults")
 # Settings the code reads with a default that no config file sets; `*` is any one option node (`stage.align`).
 OPTIONAL_KEYS = ("stage.cache_tokens", "stage.*.cache_tokens", "teacher.trust_remote_code")
 FREE_FORM = ("teacher.config", "data.data_files")  # mappings passed on as they are (a model config, builder files)
+ANY_KIND = ("trainer.devices",)  # a count, a list of device ids or "auto", whatever conf/ gives
 
 
-def leaf_keys(tree: dict, prefix: str = "") -> set[str]:
-    keys = set()
+def leaf_items(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"a.b": value} of the settings in a nested dict (lists and empty mappings are values)."""
+    items = {}
     for key, value in tree.items():
         if key in NOT_SETTINGS and not prefix:
             continue
         path = f"{prefix}{key}"
-        keys |= leaf_keys(value, path + ".") if isinstance(value, dict) and value else {path}
-    return keys
+        items.update(leaf_items(value, path + ".") if isinstance(value, dict) and value else {path: value})
+    return items
+
+
+def leaf_keys(tree: dict) -> set[str]:
+    return set(leaf_items(tree))
 
 
 @functools.lru_cache(maxsize=None)
-def option_keys(group: str, option: str) -> frozenset[str]:
-    """The keys `group=option` sets, relative to the group's node, with those of the options it includes."""
+def option_values(group: str, option: str) -> tuple[tuple[str, object], ...]:
+    """((key, value), ...) that `group=option` sets, relative to the group's node, with those of the options it
+    includes (as written: interpolations unresolved)."""
     data = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"), resolve=False) or {}
-    keys = leaf_keys(data)
+    values = {}
     for entry in data.get("defaults") or []:
         if isinstance(entry, str) and entry != "_self_" and not entry.startswith("override "):
             name, _, package = entry.partition("@")
-            keys |= {f"{package}.{k}" if package else k for k in option_keys(group, name)}
-    return frozenset(keys)
+            values.update({f"{package}.{k}" if package else k: v for k, v in option_values(group, name)})
+    values.update(leaf_items(data))
+    return tuple(values.items())
+
+
+def option_keys(group: str, option: str) -> frozenset[str]:
+    return frozenset(key for key, _ in option_values(group, option))
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,6 +77,29 @@ def global_keys() -> frozenset[str]:
         for path in (CONF / group).glob("*.yaml"):
             keys |= option_keys(group, path.stem)
     return frozenset(keys)
+
+
+def kind_of(value) -> str | None:
+    return "bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else None
+
+
+def shipped_values(cfg) -> dict[str, object]:
+    """The values conf/ gives the settings of `cfg`: the root config's, those of the chosen option of each group
+    whose node names it, and, in a group whose nodes do not, those every option gives as true/false or numbers."""
+    values = dict(option_values(".", "config"))
+    for group, options in config_groups():
+        node = OmegaConf.select(cfg, group.replace("/", "."), default=None)
+        chosen = node.get("name") if OmegaConf.is_dict(node) else None
+        given: dict[str, list] = {}
+        given_by = [chosen] if chosen in options else options
+        for option in given_by:
+            for key, value in option_values(group, option):
+                given.setdefault(key, []).append(value)
+        for key, found in given.items():
+            dotted = f"{group.replace('/', '.')}.{key}"
+            if len(found) == len(given_by) and len({kind_of(v) for v in found}) == 1 and dotted not in ANY_KIND:
+                values[dotted] = found[0]
+    return values
 
 
 def known_keys(cfg) -> set[str]:

@@ -25,7 +25,7 @@ from tcal.data import SOURCES, check_dataset_reachable, token_stream
 from tcal.errors import ConfigError
 from tcal.init import INIT_MODES
 from tcal.retention import POLICIES, num_kept
-from tcal.settings import is_known, known_keys, leaf_keys, unknown_key_message
+from tcal.settings import is_known, known_keys, leaf_items, leaf_keys, shipped_values, unknown_key_message
 from tcal.teachers.load import _DTYPES, hub_offline, looks_local
 from tcal.training.run import BUDGET_KEYS, stages_of, world_size
 from tcal.training.stages import STAGES
@@ -93,6 +93,25 @@ def window_length(key: str, value) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ known keys
+
+def check_setting_types(cfg) -> None:
+    """A setting that conf/ gives as true/false or as a number gets one (or null): `save_student=maybe` or
+    `stage.lr=fast` fail here, with the key named, rather than somewhere in the run."""
+    values = leaf_keys_values(cfg)
+    for key, shipped in shipped_values(cfg).items():
+        value = values.get(key)
+        if value is None or key not in values:
+            continue
+        if isinstance(shipped, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}; expected true or false")
+        if isinstance(shipped, (int, float)) and not isinstance(shipped, bool) and \
+                (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{key}={value!r}; expected a number (conf/ gives {shipped!r})")
+
+
+def leaf_keys_values(cfg) -> dict[str, object]:
+    return leaf_items(OmegaConf.to_container(cfg, resolve=True))
+
 
 def check_known_keys(cfg) -> None:
     """No setting the run would never read: a misspelled key, or one added with `+` or `++`."""
@@ -399,10 +418,12 @@ def check_teacher_shape(cfg, num_layers: int | None, context: int | None) -> Non
 def validate_config(cfg) -> None:
     """Everything checkable before the teacher loads; raises ConfigError."""
     for check in (check_known_keys, check_seed, check_teacher, check_trainer, check_init, check_calibration, check_data,
-                  check_eval, check_stages, check_logger, check_paths):
+                  check_eval, check_stages, check_logger):
         check(cfg)
     check_retention(cfg, None)
     check_teacher_shape(cfg, *configured_shape(cfg))
+    check_setting_types(cfg)  # after the checks that name what each setting expects more precisely
+    check_paths(cfg)  # last: it makes the cache folder
 
 
 def validate_loaded(ctx) -> None:
