@@ -134,6 +134,7 @@ def test_resuming_a_complete_run_does_nothing(straight, capsys):
             (runs["distill"] / "logs" / "metrics.csv").read_bytes()) == before
 
 
+@pytest.mark.slow  # the default suite resumes from last-step checkpoints in the kill tests above
 def test_a_resume_after_a_checkpoint_at_the_last_step_completes(straight, tmp_path):
     """A run whose record was lost after its last checkpoint (only "initialized" on disk) resumes without training."""
     cache, runs = straight

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from tcal.errors import ConfigError
-from tcal.settings import CONF, GLOBAL_GROUPS, group_options, unknown_key_message
+from tcal.settings import CONF, GLOBAL_GROUPS, group_options, leaf_items, unknown_key_message
 
 RUN_FLAGS = ("-m", "--multirun", "-r", "--run")  # flags that leave the overrides as they are
 
@@ -78,7 +78,7 @@ def one_line(err: Exception, job: list[str], args: list[str]) -> str:
 def check_resume_overrides(run_dir: str, overrides: list[str]) -> None:
     """The overrides of `tcal resume=RUN_DIR ...` change no setting of the recorded run but safe ones."""
     from tcal.errors import FolderInUse
-    from tcal.rerun import SAFE_ON_RESUME, describe, differing_keys, leaf_values
+    from tcal.rerun import SAFE_ON_RESUME, describe, differing_keys
 
     results = Path(run_dir) / "results.json"
     try:
@@ -94,7 +94,7 @@ def check_resume_overrides(run_dir: str, overrides: list[str]) -> None:
             continue
         dotted = key.replace("/", ".")
         given[f"{dotted}.name" if group_options(key) is not None else dotted] = override.value()
-    known = leaf_values(recorded)
+    known = leaf_items(recorded)
     differences = differing_keys({k: known.get(k) for k in given}, given)
     if differences:
         raise FolderInUse(f"resume={run_dir}: the run was started with other settings ({describe(differences)}); "

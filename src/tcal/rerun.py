@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tcal.errors import DamagedCheckpoint, FolderInUse
-from tcal.settings import group_options
+from tcal.settings import group_options, leaf_items
 
 SAFE_ON_RESUME = ("resume", "task_name", "paths.*", "logger.*", "save_student", "*.cache", "*.cache_tokens")
 SHOWN = 4  # differing keys named in a message
@@ -28,20 +28,10 @@ def is_safe(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in SAFE_ON_RESUME)
 
 
-def leaf_values(tree, prefix: str = "") -> dict[str, object]:
-    """{"a.b": value} of a nested dict (lists are values)."""
-    if not isinstance(tree, dict) or not tree:
-        return {prefix: tree} if prefix else {}
-    values = {}
-    for key, value in tree.items():
-        values.update(leaf_values(value, f"{prefix}.{key}" if prefix else str(key)))
-    return values
-
-
 def differing_keys(recorded: dict, current: dict, keys=None) -> list[tuple[str, object, object]]:
     """(key, recorded value, current value) of every key (of `keys`, default all) whose values differ and that is
     not safe to change; a key missing on one side has the value None there."""
-    old, new = leaf_values(recorded), leaf_values(current)
+    old, new = leaf_items(recorded), leaf_items(current)
     keys = sorted(set(old) | set(new) if keys is None else keys)
     return [(k, old.get(k), new.get(k)) for k in keys if not is_safe(k) and old.get(k) != new.get(k)]
 
@@ -92,7 +82,7 @@ def overridden_keys(overrides: list[str], cfg) -> set[str]:
             continue
         node = OmegaConf.select(cfg, dotted, default=None)
         if OmegaConf.is_dict(node):
-            keys |= {f"{dotted}.name"} if "name" in node else {f"{dotted}.{k}" for k in leaf_values(
+            keys |= {f"{dotted}.name"} if "name" in node else {f"{dotted}.{k}" for k in leaf_items(
                 OmegaConf.to_container(node, resolve=True))}
     return keys
 
@@ -104,16 +94,16 @@ def resume_config(run_dir: Path, recorded, cfg, defaults, overrides: list[str]):
     command line counts by its name, not by its default values). Any other change is refused: a resumed run
     continues with the settings it was started with."""
     current = OmegaConf.to_container(cfg, resolve=True)
-    default = leaf_values(OmegaConf.to_container(defaults, resolve=True))
+    default = leaf_items(OmegaConf.to_container(defaults, resolve=True))
     selected = tuple(f"{group}." for group in selected_groups(overrides))
-    touched = overridden_keys(overrides, cfg) | {k for k, v in leaf_values(current).items()
+    touched = overridden_keys(overrides, cfg) | {k for k, v in leaf_items(current).items()
                                                  if default.get(k) != v and not k.startswith(selected)}
     recorded_values = OmegaConf.to_container(recorded, resolve=True)
     differences = differing_keys(recorded_values, current, touched)
     if differences:
         raise FolderInUse(f"resume={run_dir}: the run was started with other settings ({describe(differences)}); "
                           f"expected only keys safe to change on resume ({', '.join(SAFE_ON_RESUME)})")
-    current_values, old_values = leaf_values(current), leaf_values(recorded_values)
+    current_values, old_values = leaf_items(current), leaf_items(recorded_values)
     for key in sorted(touched):
         if key in current_values and current_values[key] != old_values.get(key):
             OmegaConf.update(recorded, key, current_values[key], force_add=True)

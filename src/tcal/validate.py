@@ -97,7 +97,7 @@ def window_length(key: str, value) -> None:
 def check_setting_types(cfg) -> None:
     """A setting that conf/ gives as true/false or as a number gets one (or null): `save_student=maybe` or
     `stage.lr=fast` fail here, with the key named, rather than somewhere in the run."""
-    values = leaf_keys_values(cfg)
+    values = leaf_items(OmegaConf.to_container(cfg, resolve=True))
     for key, shipped in shipped_values(cfg).items():
         value = values.get(key)
         if value is None or key not in values:
@@ -107,10 +107,6 @@ def check_setting_types(cfg) -> None:
         if isinstance(shipped, (int, float)) and not isinstance(shipped, bool) and \
                 (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ConfigError(f"{key}={value!r}; expected a number (conf/ gives {shipped!r})")
-
-
-def leaf_keys_values(cfg) -> dict[str, object]:
-    return leaf_items(OmegaConf.to_container(cfg, resolve=True))
 
 
 def check_known_keys(cfg) -> None:
