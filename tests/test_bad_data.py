@@ -1,4 +1,4 @@
-"""Bad data (issue 11, item 6): empty files, non-UTF-8 bytes, jsonl lines that are not JSON or lack the text
+"""Bad data: empty files, non-UTF-8 bytes, jsonl lines that are not JSON or lack the text
 field fail with a DataError naming the file and line; jsonl lines with empty text are skipped and counted in
 the log. (Files shorter than the windows they must fill: test_validate.py and test_training.py.)"""
 

@@ -1,4 +1,4 @@
-"""Determinism (issue 11, item 4): the same seed and config on the CPU give a bit-identical init for every init
+"""Determinism: the same seed and config on the CPU give a bit-identical init for every init
 mode and an identical Stage 2 curve; a different seed gives a different init (so the comparison can fail)."""
 
 from __future__ import annotations

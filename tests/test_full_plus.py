@@ -1,4 +1,4 @@
-"""`full_plus` (issue 12): the calibration pool comes from the calibration split only and never overlaps its
+"""`full_plus`: the calibration pool comes from the calibration split only and never overlaps its
 held-out windows; the held-out loss picks the state kept; the mode runs end to end on a tiny teacher, same seed
 same layers, and its artifacts are reused. Everything is tiny: the file runs in seconds."""
 

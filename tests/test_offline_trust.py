@@ -1,4 +1,4 @@
-"""Offline and trust (issue 11, item 5): offline, a run from local files never opens a network connection;
+"""Offline and trust: offline, a run from local files never opens a network connection;
 `trust_remote_code` reaches transformers as false unless the teacher config turns it on; no pickle loads
 (`torch.load` only with weights_only=True)."""
 
