@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tcal.app import CONF_DIR, earlier_run, run_in
 from tcal.data import eval_sets, load_splits, token_windows
+from tcal.errors import FolderInUse
 from tcal.evaluate.perplexity import perplexity
 from tcal.hybrid import HybridForCausalLM
 from tcal.pipeline import run
@@ -77,19 +78,40 @@ def test_rerun_into_the_same_folder_skips_a_complete_run_and_continues_an_unfini
     calls = []
     monkeypatch.setattr("tcal.pipeline.run", lambda cfg, folder, resume=False, ranks=None: calls.append((folder, resume)))
     data = json.loads(results.read_text())
-    for name, status, config in [("unfinished", "trained_distill", data["config"]),
-                                 ("other_config", "complete", {**data["config"], "seed": data["config"]["seed"] + 1}),
-                                 ("damaged", None, None), ("empty", None, None)]:
+    other = {**data["config"], "seed": data["config"]["seed"] + 1}
+    elsewhere = {**data["config"], "paths": {**data["config"]["paths"], "cache_dir": str(tmp_path / "elsewhere")}}
+    for name, record in [("unfinished", {**data, "status": "trained_distill"}),
+                         ("cache_moved", {**data, "status": "initialized", "config": elsewhere}),
+                         ("failed_before_work", {"status": "failed", "failed_after": None, "config": other}),
+                         ("damaged", None), ("empty", None)]:
         folder = tmp_path / name
         folder.mkdir()
-        if status:
-            (folder / "results.json").write_text(json.dumps({**data, "status": status, "config": config}))
+        if record:
+            (folder / "results.json").write_text(json.dumps(record))
         elif name == "damaged":
             (folder / "results.json").write_text(results.read_text()[:100])
         run_in(cfg, folder)
-    assert calls == [(tmp_path / "unfinished", True), (tmp_path / "other_config", False),
-                     (tmp_path / "damaged", False), (tmp_path / "empty", False)]
+    assert calls == [(tmp_path / "unfinished", True), (tmp_path / "cache_moved", True),
+                     (tmp_path / "failed_before_work", False), (tmp_path / "damaged", False),
+                     (tmp_path / "empty", False)]
     assert "holds this run, unfinished; continuing it" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("status", ["complete", "trained_distill", "failed"])
+def test_a_folder_holding_a_run_of_another_config_is_refused(smoke_run, tmp_path, monkeypatch, status):
+    cfg, run_dir, _ = smoke_run
+    monkeypatch.setattr("tcal.pipeline.run", lambda *args, **kwargs: pytest.fail("ran into a used folder"))
+    data = json.loads((run_dir / "results.json").read_text())
+    config = {**data["config"], "seed": 7, "retention": {**data["config"]["retention"], "ratio": 0.75}}
+    folder = tmp_path / "used"
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps({**data, "status": status, "failed_after": "initialized",
+                                                     "config": config}))
+    before = (folder / "results.json").read_bytes()
+    with pytest.raises(FolderInUse, match=rf"^{folder} holds a run of another config \(retention.ratio=0.5 \(that run: "
+                                          rf"0.75\), seed=0 \(that run: 7\)\); expected an empty folder"):
+        run_in(cfg, folder)
+    assert (folder / "results.json").read_bytes() == before
 
 
 def test_saved_student_reproduces_the_run(smoke_run):
@@ -239,10 +261,11 @@ def test_sweep_runs_from_the_command_line(name, tmp_path):
     narrowed = [f"{key}=tiny_llama" if key == "teacher" else f"{key}={str(values).split(',')[0]}"
                 for key, values in params.items()]
     cache = isolated_cache_dir(tmp_path / "cache")
-    tiny_stage = [f"++stage.{key}={value}" for key, value in (("max_tokens", 128), ("eval_every_tokens", 64),
-                                                                ("batch_size", 2), ("seq_len", 32))]
-    tiny_stage += [f"++stage.{kind}.{key}={value}" for kind in ("align", "distill") for key, value in
-                   (("max_tokens", 128), ("eval_every_tokens", 64), ("batch_size", 2), ("seq_len", 32))]
+    stage = compose(f"+sweep={name}", *narrowed).stage
+    prefixes = [f"stage.{kind}" for kind in stage.sequence] if "sequence" in stage else \
+        [] if stage.name == "none" else ["stage"]
+    tiny_stage = [f"{prefix}.{key}={value}" for prefix in prefixes for key, value in
+                  (("max_tokens", 128), ("eval_every_tokens", 64), ("batch_size", 2), ("seq_len", 32))]
     command = tcal_command() + ["-m", f"+sweep={name}", *narrowed, f"paths.cache_dir={cache}",
                                 f"paths.output_dir={tmp_path / 'outputs'}", "teacher=tiny_llama", "eval.seq_len=32",
                                 "eval.num_windows=2", "eval/harness=none", "eval/ruler=none", "calibration.seq_len=64",

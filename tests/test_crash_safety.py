@@ -4,9 +4,11 @@ processes sharing one cache directory leaves every entry whole and readable."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +19,9 @@ from conftest import compose, isolated_cache_dir
 from safetensors.torch import save_file
 
 from tcal.app import CONF_DIR
-from tcal.cache_entry import load_tensors, read_json, save_tensors, write_json
+from tcal.cache_entry import load_tensors, read_json, read_json_entry, save_tensors, write_json
 from tcal.pipeline import run
+from tcal.results import write_folder_atomic
 
 # cache folder -> the name its warnings use
 KINDS = {"calibration": "calibration artifact", "retention": "retention score cache",
@@ -164,3 +167,88 @@ def test_parallel_sweep_shares_one_cache(tmp_path):
     assert {path: counts.get(path) for path in once} == {path: 1 for path in once}
     # calibration artifacts take no lock: jobs racing on a key both write it, whole and identical
     assert all(1 <= counts.get(str(p), 0) <= 2 for p in found["calibration"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shared caches: files get the modes of the user's umask; an entry is checked against its own key
+
+
+@contextlib.contextmanager
+def umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def modes(root: Path) -> dict[str, int]:
+    """Permission bits of every file and folder below `root` (symlinks, such as the shared teachers, left out)."""
+    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*")
+            if not p.is_symlink() and not any(parent.is_symlink() for parent in p.parents)}
+
+
+@pytest.mark.parametrize("mask", [0o002, 0o022, 0o077])
+def test_written_files_get_the_modes_of_the_umask(mask, tmp_path):
+    with umask(mask):
+        save_tensors(tmp_path / "cache" / "a.safetensors", {"w": torch.ones(2)}, {"n": 1})
+        write_json(tmp_path / "cache" / "b.json", {"n": 2})
+        write_folder_atomic(tmp_path / "student", lambda tmp: save_file({"w": torch.ones(2)},
+                                                                         str(tmp / "model.safetensors")))
+    found = modes(tmp_path)
+    assert found == {name: (0o777 if (tmp_path / name).is_dir() else 0o666) & ~mask for name in found}
+    assert set(found) == {"cache", "cache/a.safetensors", "cache/b.json", "student", "student/model.safetensors"}
+
+
+@pytest.fixture(scope="module")
+def phase1_run(tmp_path_factory):
+    """A smoke run with calibrated layers (phase1) and an exported student, under umask 002 (a team's group)."""
+    root = tmp_path_factory.mktemp("shared")
+    with umask(0o002):
+        cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(root / 'cache')}", "init=phase1",
+                      "eval.num_windows=2", "logger=none")
+        results = run(cfg, root / "run")
+    return cfg, root, results
+
+
+def test_a_shared_cache_and_the_student_are_readable_by_the_group(phase1_run):
+    _, root, _ = phase1_run
+    found = {**{f"cache/{k}": v for k, v in modes(root / "cache").items()},
+             **{f"student/{k}": v for k, v in modes(root / "run" / "student").items()}}
+    assert any(name.startswith("cache/calibration/") and name.endswith(".safetensors") for name in found)
+    assert any(name.startswith("student/") and name.endswith(".safetensors") for name in found)
+    unreadable = {name: oct(mode) for name, mode in found.items()
+                  if mode != (0o775 if (root / "run" / name if name.startswith("student/") else root / name).is_dir()
+                              else 0o664)}
+    assert not unreadable
+
+
+def without_cached_flags(record) -> str:
+    return json.dumps(record, sort_keys=True).replace('"cached": true', '"cached": false')
+
+
+def test_an_entry_copied_under_another_key_is_rebuilt_with_a_warning(phase1_run, caplog):
+    cfg, root, first = phase1_run
+    artifacts = sorted((root / "cache" / "calibration").rglob("*.safetensors"))
+    assert len(artifacts) == 2  # one per GDN layer
+    source, target = artifacts
+    target.write_bytes(source.read_bytes())  # layer A's calibration under layer B's key
+    with caplog.at_level(logging.WARNING):
+        again = run(cfg, root / "again")
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert f"calibration artifact {target} is not the entry of its key: it was written under the key " \
+           f"{source.stem!r}, not {target.stem!r} (copied or renamed); rebuilding it" in warned
+    assert without_cached_flags(again["calibration"]) == without_cached_flags(first["calibration"])
+    assert again["metrics"] == first["metrics"]
+    assert load_tensors(target, "artifact") is not None  # rewritten under its own key
+
+
+def test_a_json_entry_copied_under_another_key_is_a_miss(tmp_path, caplog):
+    write_json(tmp_path / "ppl-aaaa.json", {"value": 1.5})
+    (tmp_path / "ppl-bbbb.json").write_text((tmp_path / "ppl-aaaa.json").read_text())
+    with caplog.at_level(logging.WARNING):
+        assert read_json_entry(tmp_path / "ppl-aaaa.json", "figure", lambda d: d["value"]) == 1.5
+        assert read_json_entry(tmp_path / "ppl-bbbb.json", "figure", lambda d: d["value"]) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"figure {tmp_path / 'ppl-bbbb.json'} is not the entry of its key: it was written under the key 'ppl-aaaa', "
+        f"not 'ppl-bbbb' (copied or renamed); rebuilding it"]

@@ -68,19 +68,19 @@ def test_unknown_architecture_in_pipeline_from_folder(compose_cfg, tmp_path):
 # Keep lists and ratios
 
 
-@pytest.mark.parametrize("keep, match", [
-    ([0, 4], r"keep_layers \[4\] out of range.*4 layers"),
-    ([-1, 2], r"keep_layers \[-1\] out of range"),
-    ([1, 1, 3], r"keep_layers repeats \[1\]"),
-    ([], r"keep_layers is empty"),
+@pytest.mark.parametrize("keep, match, run_match", [
+    ([0, 4], r"keep_layers \[4\] out of range.*4 layers", None),
+    ([-1, 2], r"keep_layers \[-1\] out of range", r"retention.keep=\[-1, 2\] holds \[-1\], not layer indices"),
+    ([1, 1, 3], r"keep_layers repeats \[1\]", None),
+    ([], r"keep_layers is empty", None),
 ])
-def test_bad_keep_lists(keep, match, compose_cfg, tmp_path):
+def test_bad_keep_lists(keep, match, run_match, compose_cfg, tmp_path):
     with pytest.raises(ValueError, match=match):
         validate_keep_layers(keep, 4)
     with pytest.raises(ValueError, match=match):
         build_student(make_teacher("llama"), keep)
     keep_arg = "[" + ",".join(map(str, keep)) + "]"
-    run_fails(compose_cfg, tmp_path, ValueError, match, "retention=explicit", f"retention.keep={keep_arg}")
+    run_fails(compose_cfg, tmp_path, ValueError, run_match or match, "retention=explicit", f"retention.keep={keep_arg}")
 
 
 @pytest.mark.parametrize("ratio", ["0", "-0.1", "1.5"])

@@ -1,20 +1,31 @@
-"""Numerical faults: degenerate calibration statistics still give finite parameters; a NaN
-loss in Phase 2, Stage 1 or Stage 2 stops that work naming the layer, step and tokens, and keeps the last
-checkpoint and results.json."""
+"""Numerical faults: degenerate calibration statistics still give finite parameters; a NaN loss in Phase 2,
+Stage 1 or Stage 2, or a NaN or infinite perplexity on the curve, stops that work as a `Divergence` naming the
+step and tokens (and the layer or eval set), keeps the last good checkpoint and leaves results.json "failed",
+in strict JSON."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import compose, isolated_cache_dir, make_teacher
 
+from tcal.app import CONF_DIR
 from tcal.calibration import align as align_module
 from tcal.calibration.phase1 import apply_phase1
 from tcal.calibration.stats import LayerStats, blockwise_attention, collect_teacher_stats
 from tcal.convert import naive_gdn
+from tcal.errors import Divergence
+from tcal.evaluate.perplexity import perplexity
 from tcal.pipeline import run
+from tcal.record import write_record
+from tcal.training import curve as curve_module
 from tcal.training import stages as stages_module
 
 B, T, H, DH, D = 2, 24, 4, 16, 64
@@ -102,11 +113,12 @@ def nan_after(real, calls: int):
 def test_nan_in_phase2_names_layer_step_and_tokens(tmp_path, monkeypatch):
     monkeypatch.setattr(align_module, "alignment_loss", nan_after(align_module.alignment_loss, 3))
     cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", "init=phase2")
-    with pytest.raises(FloatingPointError, match=r"phase 2: alignment loss of layer 1 is nan at step 2 "
-                                                 r"\(128 calibration tokens\)"):
+    with pytest.raises(Divergence, match=r"phase 2: alignment loss of layer 1 is nan at step 2 "
+                                         r"\(128 calibration tokens\)"):
         run(cfg, tmp_path / "run")
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["status"] == "converted"  # the record of what was done, nothing of the failed init
+    results = read_strict(tmp_path / "run")
+    assert (results["status"], results["failed_after"]) == ("failed", "converted")  # nothing of the failed init
+    assert "calibration" not in results and "alignment loss of layer 1 is nan at step 2" in results["error"]
     assert not list((tmp_path / "cache" / "calibration").rglob("*.safetensors"))  # no artifact of a failed layer
 
 
@@ -120,11 +132,93 @@ def test_nan_in_a_stage_stops_it_keeping_checkpoint_and_results(kind, target, ma
     cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", "init=zero_gate",
                   "eval.num_windows=2", f"stage={kind}", "stage.batch_size=2", "stage.seq_len=32",
                   "stage.max_tokens=640", "stage.eval_every_tokens=192", *(["stage.cache=false"] if kind == "align" else []))
-    with pytest.raises(FloatingPointError, match=match):
+    with pytest.raises(Divergence, match=match):
         run(cfg, tmp_path / "run")
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["status"] == "initialized"
+    results = read_strict(tmp_path / "run")
+    assert (results["status"], results["failed_after"]) == ("failed", "initialized")
     assert [p["tokens"] for p in results["curve"]["shakespeare"]] == [0, 192]  # the points before the fault
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / kind / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 3 and checkpoint["tcal"]["tokens_seen"] == 192
     assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values())
+
+
+def read_strict(run_dir: Path) -> dict:
+    """results.json read as strict JSON: a NaN or Infinity token fails."""
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    return json.loads((run_dir / "results.json").read_text(), parse_constant=refuse)
+
+
+def distill_cfg(tmp_path: Path, *overrides: str):
+    return compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", "init=zero_gate",
+                   "eval.num_windows=2", "stage=distill", "stage.batch_size=2", "stage.seq_len=32", *overrides)
+
+
+def value_after(real, calls: int, value: float):
+    """`real`, except that it returns `value` from call number `calls` on."""
+    count = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        count["n"] += 1
+        return real(*args, **kwargs) if count["n"] < calls else value
+
+    return wrapped
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_perplexity_stops_the_stage_naming_the_eval_set(value, tmp_path, monkeypatch):
+    monkeypatch.setattr(curve_module, "perplexity", value_after(curve_module.perplexity, 3, value))
+    cfg = distill_cfg(tmp_path, "stage.max_tokens=640", "stage.eval_every_tokens=192")
+    with pytest.raises(Divergence, match=rf"distill: perplexity on eval set 'shakespeare' is {value} at step 6 "
+                                         rf"\(tokens_seen 384\); stopping with the last checkpoint kept"):
+        run(cfg, tmp_path / "run")
+    results = read_strict(tmp_path / "run")
+    assert (results["status"], results["failed_after"]) == ("failed", "initialized")
+    assert [p["tokens"] for p in results["curve"]["shakespeare"]] == [0, 192]
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "distill" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 3 and checkpoint["tcal"]["tokens_seen"] == 192  # the last good one
+
+
+def test_perplexity_of_a_diverged_model_is_infinite_not_an_error():
+    class Certain(torch.nn.Module):
+        """Puts all its mass on token 0, and the windows never hold it: an NLL far beyond exp's range."""
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids, use_cache=False):
+            logits = torch.full((*input_ids.shape, 8), -1e6)
+            logits[..., 0] = 1e6
+            return type("Out", (), {"logits": logits})
+
+    assert perplexity(Certain(), torch.randint(1, 8, (2, 6))) == math.inf
+
+
+def test_results_hold_no_nan_tokens(tmp_path):
+    results = {"status": "complete", "metrics": {"a": {"student_ppl": math.nan, "teacher_ppl": 3.5}},
+               "curve": {"a": [{"tokens": 0, "ppl": math.inf}]}}
+    write_record(tmp_path / "results.json", results)
+    assert read_strict(tmp_path) == results  # what is returned is what is written
+    assert results["metrics"]["a"] == {"student_ppl": None, "teacher_ppl": 3.5}
+    assert results["non_finite"] == {"note": "NaN or infinite values, written as null",
+                                     "values": ["metrics.a.student_ppl=nan", "curve.a[0].ppl=inf"]}
+
+
+def test_learning_rate_100_fails_with_one_line_and_a_failed_record(tmp_path):
+    """One step at learning rate 100 (the weights leave float range) ends the run "failed", not "complete"."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "tcal.app", "experiment=smoke", "init=naive", "stage=distill",
+                           "stage.max_tokens=64", "stage.eval_every_tokens=64", "stage.batch_size=2", "stage.seq_len=32",
+                           "stage.lr_mixer=100", "stage.lr_rest=100", "eval.num_windows=2", "logger=none",
+                           f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", f"hydra.run.dir={run_dir}"],
+                          cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("tcal: ")]
+    assert done.returncode == 1 and "Traceback" not in done.stderr + done.stdout, done.stderr[-3000:]
+    assert lines == [f"tcal: run failed: distill: perplexity on eval set 'shakespeare' is nan at step 1 (tokens_seen "
+                     f"64); stopping with the last checkpoint kept (record: {run_dir / 'results.json'})"]
+    results = read_strict(run_dir)
+    assert (results["status"], results["failed_after"]) == ("failed", "initialized") and "metrics" not in results
+    assert results["error"] == "Divergence: " + lines[0].removeprefix("tcal: run failed: ").split(" (record: ")[0]

@@ -1,4 +1,5 @@
-"""tcal-report on a hand-made multirun folder: exact table cells, CSVs, PNGs and the incomplete runs."""
+"""tcal-report on a hand-made multirun folder: exact table cells, CSVs, PNGs, and the failed and incomplete runs
+listed apart."""
 
 import csv
 import json
@@ -53,7 +54,12 @@ def multirun(tmp_path):
     del running["metrics"]
     no_init = _result("explicit", "phase1", 30.0)
     del no_init["init_mode"]
-    for name, data in {**runs, "running": running, "no_init": no_init}.items():
+    diverged = {**_result("uniform", "zero_gate", 40.0), "status": "failed", "failed_after": "initialized",
+                "error": "Divergence: distill: perplexity on eval set 'shakespeare' is nan at step 3 (tokens_seen 192)"}
+    bad_setting = {"status": "failed", "failed_after": None, "error": "configuration error: retention.ratio=1.5 must "
+                                                                      "lie in (0, 1]", "config": {"seed": 0}}
+    for name, data in {**runs, "running": running, "no_init": no_init, "diverged": diverged,
+                       "bad_setting": bad_setting}.items():
         folder = tmp_path / "multirun" / name
         folder.mkdir(parents=True)
         (folder / "results.json").write_text(json.dumps(data))
@@ -68,7 +74,7 @@ def _rows(path):
         return list(csv.reader(handle))
 
 
-def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
+def test_report_tables_plots_failed_and_incomplete_runs(multirun, capsys):
     assert main([str(multirun)]) == 0
     out = multirun / "report"
     printed = capsys.readouterr().out
@@ -128,11 +134,16 @@ def test_report_tables_plots_and_incomplete_runs(multirun, capsys):
         assert f"]({name})" in md
     assert not list(out.glob("*.tmp"))
 
-    incomplete = md.split("## Incomplete runs")[1]
+    failed, incomplete = md.split("## Failed runs")[1].split("## Incomplete runs")
+    assert failed.strip().splitlines() == [
+        "- `bad_setting/results.json`: configuration error: retention.ratio=1.5 must lie in (0, 1] (after: nothing)",
+        "- `diverged/results.json`: Divergence: distill: perplexity on eval set 'shakespeare' is nan at step 3 "
+        "(tokens_seen 192) (after: initialized)"]
     assert "`running/results.json`: status is 'running'" in incomplete
     assert "`no_init/results.json`: missing key 'init_mode'" in incomplete
     assert "`corrupt/nested/results.json`: unreadable" in incomplete
-    assert "8 complete runs, 3 incomplete." in md
+    assert "failed" not in incomplete
+    assert "8 complete runs, 2 failed, 3 incomplete." in md
 
 
 def test_other_baseline_and_out_folder(multirun, tmp_path):

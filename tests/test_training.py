@@ -283,7 +283,8 @@ def test_kill_and_resume_gives_the_uninterrupted_run(tmp_path):
     with pytest.raises(Killed):
         run(smoke_cfg(cache, *overrides), killed_dir, callbacks=[KillAfter(3)])
     interrupted = read_results(killed_dir)
-    assert interrupted["status"] != "complete"
+    assert (interrupted["status"], interrupted["failed_after"]) == ("failed", "trained_align")
+    assert interrupted["error"] == "Killed: killed at step 3"
     assert (killed_dir / "checkpoints" / "distill" / "last.ckpt").is_file()
     resumed = run(resumed_config(killed_dir), killed_dir, resume=True)
     assert resumed["stages"]["distill"]["resumed"] and resumed["stages"]["align"]["cached"]
@@ -292,7 +293,7 @@ def test_kill_and_resume_gives_the_uninterrupted_run(tmp_path):
     assert tokens == [0, 128, 256, 384, 448]
     a, b = (load_file(tmp_path / d / "student" / "model.safetensors") for d in ("straight", "killed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert read_results(killed_dir)["status"] == "complete"
+    assert read_results(killed_dir)["status"] == "complete" and "error" not in read_results(killed_dir)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Config validation: every bad setting fails before work with a ConfigError naming the key,
-the bad value and what is allowed, and leaves no results.json; at the `tcal` entry it is one line on stderr
-and exit code 2."""
+"""Config validation: every bad setting fails before work with a ConfigError naming the key, the bad value and
+what is allowed, and leaves no results.json; at the `tcal` entry it is one line on stderr and exit code 2,
+unknown keys and overrides Hydra cannot apply included."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from conftest import repo_cache_dir
 from test_errors import run_fails
 
 from tcal.app import CONF_DIR, check_group_overrides
+from tcal.arguments import check_arguments
 from tcal.errors import ConfigError
 
 # (overrides, the message's expected pattern); "{tmp}" stands for the test's tmp_path.
@@ -28,6 +29,11 @@ CASES = [
     (["retention=explicit"], r"retention.keep=None; expected a list of layer indices"),
     (["retention=ar", "retention.num_windows=0"], r"retention.num_windows=0; expected a positive integer"),
     (["retention=uniform", "retention.name=best"], r"retention.name='best'; expected one of ar, explicit, ga_s2"),
+    (["retention.ratio=half"], r"retention.ratio='half'; expected a number in \(0, 1\]"),
+    (["retention=explicit", "retention.keep=[0,-1]"], r"retention.keep=\[0, -1\] holds \[-1\], not layer indices; "
+                                                       r"expected whole numbers >= 0"),
+    (["retention=explicit", "retention.keep=[0,1.5]"], r"retention.keep=\[0, 1.5\] holds \[1.5\], not layer indices"),
+    (["retention=ar", "retention.seq_len=1"], r"retention.seq_len=1; expected an integer >= 2"),
     # budgets and lengths
     (["stage=distill", "stage.max_tokens=0"], r"stage.max_tokens=0; expected a positive integer"),
     (["stage=distill", "stage.batch_size=-2"], r"stage.batch_size=-2; expected a positive integer"),
@@ -37,6 +43,9 @@ CASES = [
     (["eval.seq_len=5000"], r"eval.seq_len=5000 is beyond the teacher's context of 4096 tokens"),
     (["calibration.seq_len=10000"], r"calibration.seq_len=10000 is beyond the teacher's context of 4096"),
     (["eval.num_windows=0"], r"eval.num_windows=0; expected a positive integer"),
+    (["stage=distill", "stage.seq_len=1"], r"stage.seq_len=1; expected an integer >= 2 \(a window needs a next token"),
+    (["eval.seq_len=1"], r"eval.seq_len=1; expected an integer >= 2"),
+    (["init=full", "calibration.seq_len=1"], r"calibration.seq_len=1; expected an integer >= 2"),
     (["calibration.batch_size=64", "calibration.seq_len=2048"],
      r"calibration.batch_size=64 windows of calibration.seq_len=2048 .* need 260096 tokens, but the calibration "
      r"split has \d+"),
@@ -50,6 +59,27 @@ CASES = [
     (["calibration.phase1.gamma_max=1e-4"], r"calibration.phase1.gamma_max=0.0001; expected a number >= "
                                             r"calibration.phase1.gamma_min=0.001"),
     (["stage=align", "stage.schedule=linear"], r"stage.schedule='linear'; expected one of constant, cosine"),
+    (["stage=distill", "stage.weight_decay=-0.1"], r"stage.weight_decay=-0.1; expected a number >= 0"),
+    (["stage=align_distill", "stage.align.weight_decay=-1"], r"stage.align.weight_decay=-1; expected a number >= 0"),
+    (["stage=distill", "stage.ce_weight=-1"], r"stage.ce_weight=-1; expected a number >= 0"),
+    (["stage=align", "stage.min_lr_ratio=1.5"], r"stage.min_lr_ratio=1.5; expected a number in \[0, 1\]"),
+    (["init=full_plus", "init.pool.windows=4"], r"init.pool.held_out_every=8; expected an integer from 2 to "
+                                                r"init.pool.windows=4"),
+    (["init=full_plus", "init.pool.windows=8", "init.phase2.batch_size=8"],
+     r"init.phase2.batch_size=8 is more than the 7 fit windows of the pool"),
+    (["init=full_plus", "init.phase2.weight_decay=-1"], r"init.phase2.weight_decay=-1; expected a number >= 0"),
+    (["init=full_plus", "init.pool.seq_len=2048"], r"init.pool.windows=64 windows of init.pool.seq_len=2048 need "
+                                                   r"131072 tokens, but the calibration split has \d+"),
+    # types: true/false and numbers where conf/ gives them
+    (["save_student=maybe"], r"save_student='maybe'; expected true or false"),
+    (["calibration.check=1"], r"calibration.check=1; expected true or false"),
+    (["stage=distill", "stage.lr_rest=fast"], r"stage.lr_rest='fast'; expected a learning rate > 0"),
+    (["calibration.phase1.gate_damping=strong"], r"calibration.phase1.gate_damping='strong'; expected a number"),
+    (["trainer.deterministic=yes"], r"trainer.deterministic='yes'; expected true or false"),
+    # keys no code reads
+    (["+stage.lr_mixr=0.1", "stage=distill"], r"stage.lr_mixr=0.1: no such setting \(did you mean stage.lr_mixer\?\)"),
+    (["+seeds=3"], r"seeds=3: no such setting \(did you mean seed\?\)"),
+    (["stage=align", "+stage.lr_mixer=0.1"], r"stage.lr_mixer=0.1: no such setting"),
     (["logger.name=tensorboard"], r"logger.name='tensorboard'; expected one of none, csv, wandb"),
     (["seed=-1"], r"seed=-1; expected an integer >= 0"),
     # dtypes and devices
@@ -71,6 +101,8 @@ CASES = [
     (["data.calibration_docs=0"], r"data.calibration_docs=0; expected a positive integer"),
     (["data=wikitext"], r"data.dataset='Salesforce/wikitext' could not be loaded: .* \(offline, and not in the "
                         r"datasets cache"),
+    (["paths.cache_dir={tmp}/short.txt"], r"paths.cache_dir='.*/short.txt' is a file; expected a folder"),
+    (["paths.cache_dir={tmp}/short.txt/cache"], r"paths.cache_dir='.*/short.txt/cache' cannot be written"),
 ]
 
 
@@ -123,9 +155,31 @@ def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                            *args], cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.parametrize("args,match", [
+    (["stage=distill", "stage.lr_mixr=0.1"], r"^stage.lr_mixr=0.1: no such setting \(did you mean stage.lr_mixer\?\)"),
+    (["-m", "stage=align,distill", "stage.lr=0.1"], r"^stage.lr=0.1: no such setting in the job with stage=distill"),
+    (["+seed=3"], r"^\+seed=3: seed is already a setting; expected seed=3$"),
+    (["~stage.bogus"], r"^~stage.bogus: no such setting to delete"),
+    (["retention.keep=[0,"], r"^retention.keep=\[0,: cannot be read \(no viable alternative at input '\[0,'\); "
+                             r"expected key=value"),
+    (["retention.ratio=0.5,0.75"], r"^retention.ratio=0.5,0.75: a sweep of values in a single run; expected tcal -m"),
+])
+def test_overrides_hydra_cannot_apply_are_one_error_before_any_job(args, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        check_arguments(args)
+    assert "\n" not in str(info.value)
+
+
+def test_overrides_that_compose_pass():
+    check_arguments(["experiment=smoke", "stage=distill", "stage.lr_mixer=0.1", "+sweep=after_training", "resume=x"])
+    check_arguments(["-m", "stage=align,align_distill", "init=naive,full", "seed=range(2)", "hydra.sweep.dir=x"])
+
+
 @pytest.mark.parametrize("args,message", [
     (["retention.ratio=1.5"], "retention.ratio=1.5 must lie in (0, 1]"),
     (["stage=bogus"], "stage='bogus': no such option in config group 'stage'"),
+    (["stage=distill", "stage.lr_mixr=0.1"], "stage.lr_mixr=0.1: no such setting (did you mean stage.lr_mixer?)"),
+    (["+stage.lr_mixr=0.1", "stage=distill"], "stage.lr_mixr=0.1: no such setting (did you mean stage.lr_mixer?)"),
 ])
 def test_entry_prints_one_line_and_exits_2(args, message, tmp_path):
     done = tcal(tmp_path, *args)
@@ -134,3 +188,24 @@ def test_entry_prints_one_line_and_exits_2(args, message, tmp_path):
     assert lines == [f"tcal: configuration error: {lines[0].split(': ', 2)[2]}"] and message in lines[0], lines
     assert "Traceback" not in done.stderr + done.stdout
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_every_shipped_option_experiment_and_sweep_holds_only_known_keys():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tcal.settings import config_groups
+    from tcal.validate import check_known_keys
+
+    overrides = [f"{group}={option}" for group, options in config_groups() for option in options]
+    overrides += [f"+sweep={p.stem}" for p in (Path(CONF_DIR).parent / "sweeps").glob("*.yaml")]
+    overrides += [f"experiment={p.stem}" for p in (Path(CONF_DIR).parent / "experiments").glob("*.yaml")]
+    assert len(overrides) > 40
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            for override in overrides:
+                extra = ["retention.keep=[0,1]"] if override == "retention=explicit" else []
+                check_known_keys(compose("config", overrides=[override, *extra]))
+    finally:
+        GlobalHydra.instance().clear()

@@ -2,7 +2,9 @@
 
 Run again into a folder that already holds a run of the same config (`hydra.sweep.dir=` of a finished or
 interrupted sweep), a finished run is skipped and an unfinished one continues from its last checkpoint, so a
-rerun of a sweep does no work twice.
+rerun of a sweep does no work twice; a folder holding a run of another config is refused (`tcal.rerun`).
+`tcal resume=RUN_DIR` does the same for the run recorded there; overrides on resume must be safe to change.
+In a sweep (`-m`), a failing job is recorded in its folder and the others run (`tcal.sweep`).
 
 A configuration error (`tcal.errors.ConfigError`: a bad setting, unreadable data, or an unknown option of a
 config group) prints one line on stderr and exits with code 2, before any work and without a traceback.
@@ -16,36 +18,37 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from tcal.errors import ConfigError
+from tcal.arguments import check_arguments
+from tcal.errors import ConfigError, Divergence
+from tcal.settings import group_options
+from tcal.sweep import failed_jobs, sweep_job
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 CONFIG_ERROR_EXIT = 2
 
 
-def resumed_config(run_dir: Path):
-    """The resolved config a run recorded in its results.json, to continue that run exactly."""
+def resumed_config(run_dir: Path, cfg=None, overrides: list[str] = ()):
+    """The resolved config a run recorded in its results.json, to continue that run exactly; `cfg` (this
+    command's config) may change only the keys safe to change on resume (`tcal.rerun.resume_config`)."""
     results = Path(run_dir) / "results.json"
     if not results.is_file():
         raise ConfigError(f"resume={str(run_dir)!r}: no results.json there; expected a run folder of `tcal`")
-    cfg = OmegaConf.create(json.loads(results.read_text())["config"])
-    cfg.resume = str(run_dir)
-    return cfg
+    recorded = OmegaConf.create(json.loads(results.read_text())["config"])
+    recorded.resume = str(run_dir)
+    if cfg is not None:
+        from hydra import compose
 
-
-def _json_object(data):
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    return data
+        from tcal.rerun import resume_config
+        recorded = resume_config(Path(run_dir), recorded, cfg, compose(config_name="config"), list(overrides))
+    return recorded
 
 
 def earlier_run(cfg, run_dir: Path) -> str:
-    """What `run_dir` holds for `cfg`: "none" (nothing, or a run of another config), "complete" or "unfinished".
-    A damaged results.json is warned about and run again."""
-    from tcal.cache_entry import read_json  # imports torch: not before a config error could stop the job
-    data = read_json(Path(run_dir) / "results.json", "results of an earlier run", _json_object)
-    if data is None or data.get("config") != OmegaConf.to_container(cfg, resolve=True):
-        return "none"
-    return "complete" if data.get("status") == "complete" else "unfinished"
+    """What `run_dir` holds for `cfg`: "none" (nothing), "complete" or "unfinished"; a run of another config
+    there is refused (FolderInUse). A damaged results.json is warned about and run again."""
+    from tcal.record import read_record
+    from tcal.rerun import folder_state
+    return folder_state(Path(run_dir), read_record(run_dir), OmegaConf.to_container(cfg, resolve=True))
 
 
 def run_in(cfg, run_dir: Path, ranks=None) -> None:
@@ -62,12 +65,6 @@ def run_in(cfg, run_dir: Path, ranks=None) -> None:
     if earlier == "unfinished":
         print(f"tcal: {run_dir} holds this run, unfinished; continuing it", flush=True)
     run(cfg, run_dir, resume=earlier == "unfinished", ranks=ranks)
-
-
-def group_options(group: str) -> list[str] | None:
-    """The options of config group `group` (a folder of conf/), or None when `group` is not a group."""
-    folder = Path(CONF_DIR) / group
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else None
 
 
 def check_group_overrides(args: list[str]) -> None:
@@ -89,31 +86,39 @@ def config_error_exit(err: Exception) -> None:
     sys.exit(CONFIG_ERROR_EXIT)
 
 
+def run_failed_exit(err: Exception, run_dir: Path) -> None:
+    """A named failure of the run (divergence): one line, the record's path, exit code 1."""
+    print(f"tcal: run failed: {err} (record: {Path(run_dir) / 'results.json'})", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_main(cfg) -> None:
     from tcal.distributed import launch
-    from tcal.pipeline import run
     from tcal.validate import validate_config
+    run_dir = Path(cfg.resume or HydraConfig.get().runtime.output_dir)
     try:
-        if cfg.get("resume"):
-            cfg = resumed_config(Path(cfg.resume))
-        validate_config(cfg)  # before any process is launched
-        ranks = launch(cfg.trainer)
-        if cfg.get("resume"):
-            run(cfg, Path(cfg.resume), resume=True, ranks=ranks)
-        else:
-            run_in(cfg, Path(HydraConfig.get().runtime.output_dir), ranks)
+        with sweep_job(cfg, run_dir):
+            if cfg.get("resume"):
+                cfg = resumed_config(run_dir, cfg, HydraConfig.get().overrides.task)
+            validate_config(cfg)  # before any process is launched
+            run_in(cfg, run_dir, launch(cfg.trainer))
     except ConfigError as err:
         config_error_exit(err)
+    except Divergence as err:
+        run_failed_exit(err, run_dir)
 
 
 def main() -> None:
     """The `tcal` console script."""
     try:
         check_group_overrides(sys.argv[1:])
+        check_arguments(sys.argv[1:])
     except ConfigError as err:
         config_error_exit(err)
     hydra_main()
+    if failed_jobs():
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ entry is a miss, and an entry that fails to load (truncated, foreign, from an ol
 warning. It is then rebuilt and rewritten, never trusted and never a crash.
 
 Tensors and their record share one safetensors file (the record as JSON in its metadata): no pickle, so no
-`torch.load` of cache files at all.
+`torch.load` of cache files at all. Every entry also carries its own key (its file name, which is the digest of
+what it depends on), checked when read: an entry copied or renamed under another key is rebuilt with a
+warning, not trusted by its name.
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ from tcal.results import write_atomic, write_json_atomic
 log = logging.getLogger(__name__)
 
 RECORD = "tcal_record"  # safetensors metadata key holding the JSON record
+KEY = "tcal_key"  # the entry's key: a safetensors metadata key, a field of a JSON entry
+
+
+class ForeignEntry(ValueError):
+    """An entry written under another key (copied or renamed), or without one."""
+
+
+def entry_key(path: Path) -> str:
+    """An entry's key is its file name without the extension."""
+    return Path(path).name.split(".")[0]
+
+
+def check_key(path: Path, written_as) -> None:
+    if written_as is None:
+        raise ForeignEntry("it carries no key (written by an older tcal, or not a cache entry)")
+    if written_as != entry_key(path):
+        raise ForeignEntry(f"it was written under the key {written_as!r}, not {entry_key(path)!r} (copied or renamed)")
 
 
 def read_entry(path: str | Path, load: Callable[[Path], Any], what: str) -> Any | None:
@@ -39,25 +58,37 @@ def read_entry(path: str | Path, load: Callable[[Path], Any], what: str) -> Any 
         return None
     try:
         return load(path)
+    except ForeignEntry as err:
+        log.warning("%s %s is not the entry of its key: %s; rebuilding it", what, path, err)
     except Exception as err:  # noqa: BLE001 - any failure to read means "rebuild", never "crash"
         log.warning("%s %s is unreadable (%s: %s); rebuilding it", what, path, type(err).__name__, err)
-        return None
+    return None
 
 
 def read_json(path: str | Path, what: str, parse: Callable[[dict], Any]) -> Any | None:
-    """`parse(data)` of a JSON entry, or None when missing or unreadable (`parse` raising means foreign)."""
+    """`parse(data)` of a JSON file, or None when missing or unreadable (`parse` raising means foreign)."""
     return read_entry(path, lambda p: parse(json.loads(p.read_text(encoding="utf-8"))), what)
 
 
+def read_json_entry(path: str | Path, what: str, parse: Callable[[dict], Any]) -> Any | None:
+    """`read_json` of a cache entry written by `write_json`: one written under another key is a miss."""
+    def checked(data: dict) -> Any:
+        check_key(Path(path), data.get(KEY) if isinstance(data, dict) else None)
+        return parse(data)
+
+    return read_json(path, what, checked)
+
+
 def write_json(path: str | Path, data: dict) -> None:
-    write_json_atomic(path, data)
+    """A JSON cache entry, carrying its key."""
+    write_json_atomic(path, {**data, KEY: entry_key(Path(path))})
     log.info("cache entry written: %s", path)
 
 
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], record: Any) -> None:
     """Tensors and a JSON-able record in one safetensors file, written whole."""
     plain = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    metadata = {RECORD: json.dumps(record)}
+    metadata = {RECORD: json.dumps(record), KEY: entry_key(Path(path))}
     write_atomic(path, lambda tmp: save_file(plain, str(tmp), metadata=metadata))
     log.info("cache entry written: %s", path)
 
@@ -67,6 +98,7 @@ def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
         metadata = handle.metadata() or {}
         if RECORD not in metadata:
             raise KeyError(f"no {RECORD!r} in its metadata (not a tcal cache entry)")
+        check_key(path, metadata.get(KEY))
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}
     return tensors, json.loads(metadata[RECORD])
 

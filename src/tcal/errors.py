@@ -11,3 +11,21 @@ class DataError(ConfigError):
 
 class HubUnavailable(ConnectionError, ConfigError):
     """A hub resource the run cannot reach (offline, not cached); both a connection and a configuration error."""
+
+
+class FolderInUse(ConfigError):
+    """A run folder that holds a run of another config: refused, so that no result is written over."""
+
+
+class DamagedCheckpoint(ConfigError):
+    """A checkpoint a resumed run cannot read: named, before any work, with the record on disk left as it is."""
+
+
+class Divergence(FloatingPointError):
+    """A non-finite loss or perplexity: it stops the calibration or the stage where it appears, naming the step and
+    the tokens; the last good checkpoint (and the record so far) is kept."""
+
+    @classmethod
+    def in_stage(cls, stage: str, what: str, value: float, step: int, tokens: int) -> "Divergence":
+        return cls(f"{stage}: {what} is {value} at step {step} (tokens_seen {tokens}); stopping with the last "
+                   f"checkpoint kept")

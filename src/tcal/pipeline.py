@@ -7,6 +7,7 @@ the run got) and at every curve point, so a crash leaves a readable record. With
 is zero-shot. A multi-device run starts its ranks first (`tcal.distributed`); every rank then holds the teacher
 and the student on its own device, the per-layer work is split across ranks, the evaluations are Lightning
 validation over all ranks, and rank 0 writes results.json and exports.
+A resumed run keeps what its record held, and a failure marks the record "failed" (`tcal.record`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from tcal.evaluate.suite import evaluate, format_table
 from tcal.fingerprint import weights_digest
 from tcal.gdn import kernel_path
 from tcal.init import init_student
-from tcal.results import write_folder_atomic, write_json_atomic
+from tcal.record import read_record, records_failure, write_record
+from tcal.rerun import check_checkpoints
+from tcal.results import write_folder_atomic
 from tcal.retention import select_layers
 from tcal.teachers.load import load_teacher
 from tcal.tracking import finish, log_figures, make_logger
@@ -96,12 +99,15 @@ def save_student(student, tokenizer, folder: Path) -> None:
     write_folder_atomic(folder, write)
 
 
+@records_failure
 def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None = None,
         ranks: Ranks | None = None) -> dict:
     """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint. `ranks`: this
     process's place among the run's launched processes (`tcal.distributed.launch`); None is one process."""
     run_dir = Path(run_dir)
     validate_config(cfg)
+    if resume:
+        check_checkpoints(run_dir)  # a damaged one is named before any work
     timings: dict[str, float] = {}
     ctx = prepare(cfg, run_dir, timings, ranks)
     validate_loaded(ctx)
@@ -130,10 +136,11 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
         "timings": timings,
     }
     results_path = run_dir / "results.json"
+    earlier = read_record(run_dir) if resume else None
 
     def save_results() -> None:
         if writer:
-            write_json_atomic(results_path, results)
+            write_record(results_path, results, earlier)
 
     save_results()
     log.info("keep layers (%s): %s; GDN kernel path: %s", cfg.retention.name, selection.keep_layers, kernel_path(device))

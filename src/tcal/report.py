@@ -2,7 +2,8 @@
 
 Writes report.md, one CSV per table (same cells as the Markdown) and one PNG of perplexity against
 tokens seen per teacher x policy x ratio x eval set, then prints the Markdown. Runs that cannot be
-used are listed with the reason, never dropped silently.
+used are listed with the reason, never dropped silently; failed runs (status "failed": a bad setting in a
+sweep job, divergence, a crash) are listed apart with their error.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class IncompleteRun(Exception):
     """A results.json the tables cannot use; the message says why."""
 
 
+class FailedRun(IncompleteRun):
+    """A run that failed: the message is its error and how far it got."""
+
+
 @dataclass
 class Run:
     """One complete results.json, flattened to what the tables need."""
@@ -103,6 +108,8 @@ def load_run(path: Path) -> Run:
     if not isinstance(data, dict):
         raise IncompleteRun("not a JSON object")
     status = _require(data, "status")
+    if status == "failed":
+        raise FailedRun(f"{data.get('error') or 'no error recorded'} (after: {data.get('failed_after') or 'nothing'})")
     if status != "complete":
         raise IncompleteRun(f"status is {status!r}")
     try:
@@ -153,12 +160,16 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def collect(folder: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
-    """Every results.json below `folder`: the usable runs and (path, reason) for the rest."""
-    runs, problems, seen = [], [], {}
+def collect(folder: Path) -> tuple[list[Run], list[tuple[Path, str]], list[tuple[Path, str]]]:
+    """Every results.json below `folder`: the usable runs, (path, error) of the failed ones and (path, reason)
+    for the rest."""
+    runs, failed, problems, seen = [], [], [], {}
     for path in sorted(Path(folder).rglob("results.json")):
         try:
             run = load_run(path)
+        except FailedRun as err:
+            failed.append((path, str(err)))
+            continue
         except IncompleteRun as err:
             problems.append((path, str(err)))
             continue
@@ -168,7 +179,7 @@ def collect(folder: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
             continue
         seen[key] = path
         runs.append(run)
-    return runs, problems
+    return runs, failed, problems
 
 
 # --- tables ---
@@ -411,7 +422,7 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
     also receives each table (W&B tables for a dashboard)."""
     folder, out_dir = Path(folder), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs, problems = collect(folder)
+    runs, failed, problems = collect(folder)
     efficiency, efficiency_notes = efficiency_table(runs, baseline, calibrated)
     tables = {"zero_shot": ("Zero-shot perplexity (student; NLU avg and RULER are student scores)",
                             zero_shot_table(runs), []),
@@ -420,7 +431,8 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
                                    f"evaluations; gain = {baseline} tokens / the init's tokens", efficiency,
                                    efficiency_notes),
               "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs), [])}
-    parts = [f"# tcal report: {folder}\n\n{len(runs)} complete runs, {len(problems)} incomplete.\n"]
+    counts = f"{len(runs)} complete runs, {len(failed)} failed, {len(problems)} incomplete."
+    parts = [f"# tcal report: {folder}\n\n{counts}\n"]
     for name, (title, table, notes) in tables.items():
         write_csv(out_dir / f"{name}.csv", table)
         log_table(logger, name, *table)
@@ -428,8 +440,9 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
         parts.append(f"## {title}\n\n{markdown_table(table)}{listed_notes}")
     plots = plot_curves(runs, out_dir)
     parts.append("## Plots\n\n" + ("".join(f"- ![{p.stem}]({p.name})\n" for p in plots) or "_No curves._\n"))
-    listed = "".join(f"- `{path.relative_to(folder)}`: {why}\n" for path, why in problems)
-    parts.append("## Incomplete runs\n\n" + (listed or "None.\n"))
+    for title, listed in (("Failed runs", failed), ("Incomplete runs", problems)):
+        lines = "".join(f"- `{path.relative_to(folder)}`: {why}\n" for path, why in listed)
+        parts.append(f"## {title}\n\n" + (lines or "None.\n"))
     markdown = "\n".join(parts)
     write_text_atomic(out_dir / "report.md", markdown)
     return markdown

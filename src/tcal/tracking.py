@@ -2,14 +2,24 @@
 
 The training stages hand the logger to their Trainer and log with `tokens_seen` as the step; the zero-shot
 path and `tcal-report` call the same logger object directly, so every figure goes through one layer.
+
+A resumed run continues `logs/metrics.csv` (Lightning's CSV logger would delete it): the rows of earlier
+stages stay, and those of the resumed stage after its checkpoint are dropped, since they are logged again.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 from pathlib import Path
 
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from omegaconf import OmegaConf
+
+from tcal.results import write_text_atomic
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -39,15 +49,56 @@ def wandb_logger(project: str, run_dir: Path, name: str, group: str | None = Non
                        offline=offline, config=config)
 
 
+class ContinuedExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that an existing metrics.csv is continued rather than deleted."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as handle:
+                self.metrics_keys = list(csv.DictReader(handle).fieldnames or [])
+
+    def drop_rows_after(self, kind: str, tokens: int | None) -> None:
+        """Drop the rows of stage `kind` logged after `tokens` (all of its rows with None)."""
+        self.save()
+        if not self._fs.isfile(self.metrics_file_path):
+            return
+        with self._fs.open(self.metrics_file_path, "r", newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        column = f"{kind}/tokens_seen"
+        kept = [row for row in rows if not row.get(column) or tokens is not None and float(row[column]) <= tokens]
+        if len(kept) < len(rows):
+            text = io.StringIO()
+            writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
+            writer.writeheader()
+            writer.writerows(kept)
+            write_text_atomic(self.metrics_file_path, text.getvalue())
+
+
+class ContinuedCSVLogger(CSVLogger):
+    """`CSVLogger` writing through `ContinuedExperimentWriter`."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ContinuedExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = ContinuedExperimentWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+def drop_rows_after(logger, kind: str, tokens: int | None) -> None:
+    """Before stage `kind` (re)starts at `tokens` (None: from its start), forget what it logged beyond them."""
+    if isinstance(logger, ContinuedCSVLogger):
+        logger.experiment.drop_rows_after(kind, tokens)
+
+
 def make_logger(cfg, run_dir: Path):
     """The Lightning logger named by `cfg.logger.name`, or None for `none`."""
     name = cfg.logger.name
     if name == "none":
         return None
     if name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
-
-        return CSVLogger(save_dir=str(run_dir), name="logs", version="", flush_logs_every_n_steps=1)
+        return ContinuedCSVLogger(save_dir=str(run_dir), name="logs", version="", flush_logs_every_n_steps=1)
     if name == "wandb":
         tags = [cfg.teacher.name, cfg.retention.name, cfg.init.name, cfg.stage.name]
         return wandb_logger(cfg.logger.project, run_dir, "-".join(tags), cfg.logger.get("group"), tags,

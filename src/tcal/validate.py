@@ -12,17 +12,20 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import torch
 from omegaconf import ListConfig, OmegaConf
 
 from tcal.calibration.calibrate import PHASES
+from tcal.calibration.phase1 import PHASE1_RULES
 from tcal.convert import GQA_EXPANSIONS, validate_keep_layers
 from tcal.data import SOURCES, check_dataset_reachable, token_stream
 from tcal.errors import ConfigError
 from tcal.init import INIT_MODES
 from tcal.retention import POLICIES, num_kept
+from tcal.settings import is_known, known_keys, leaf_items, leaf_keys, shipped_values, unknown_key_message
 from tcal.teachers.load import _DTYPES, hub_offline, looks_local
 from tcal.training.run import BUDGET_KEYS, stages_of, world_size
 from tcal.training.stages import STAGES
@@ -72,6 +75,48 @@ def in_range(key: str, value, low: float, high: float, what: str) -> None:
         raise ConfigError(f"{key}={value!r}; expected {what}")
 
 
+def fraction(key: str, value, what: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
+    if not ok:
+        raise ConfigError(f"{key}={value!r}; expected {what}")
+
+
+def non_negative(key: str, value) -> None:
+    in_range(key, value, 0.0, math.inf, "a number >= 0")
+
+
+def window_length(key: str, value) -> None:
+    """A window the run predicts tokens in: at least 2 tokens (with 1 nothing is predicted, and a token budget
+    becomes one step per token)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+        raise ConfigError(f"{key}={value!r}; expected an integer >= 2 (a window needs a next token to predict)")
+
+
+# ------------------------------------------------------------------------------------------------ known keys
+
+def check_setting_types(cfg) -> None:
+    """A setting that conf/ gives as true/false or as a number gets one (or null): `save_student=maybe` or
+    `stage.lr=fast` fail here, with the key named, rather than somewhere in the run."""
+    values = leaf_items(OmegaConf.to_container(cfg, resolve=True))
+    for key, shipped in shipped_values(cfg).items():
+        value = values.get(key)
+        if value is None or key not in values:
+            continue
+        if isinstance(shipped, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}; expected true or false")
+        if isinstance(shipped, (int, float)) and not isinstance(shipped, bool) and \
+                (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{key}={value!r}; expected a number (conf/ gives {shipped!r})")
+
+
+def check_known_keys(cfg) -> None:
+    """No setting the run would never read: a misspelled key, or one added with `+` or `++`."""
+    known = known_keys(cfg)
+    for key in sorted(leaf_keys(OmegaConf.to_container(cfg, resolve=False))):
+        if not is_known(key, known):
+            raise ConfigError(unknown_key_message(f"{key}={OmegaConf.select(cfg, key)!r}", key, known))
+
+
 # ------------------------------------------------------------------------------------------------ groups
 
 
@@ -86,6 +131,36 @@ def check_init(cfg) -> None:
             raise ConfigError(f"init.phases={phases}; expected a non-empty list without repeats of {', '.join(PHASES)}")
     if "gate_scale" in init:
         positive_number("init.gate_scale", init.gate_scale)
+    if init.name == "full_plus":
+        check_full_plus(init)
+
+
+def check_full_plus(init) -> None:
+    """The pool, its held-out windows and the minibatch Phase 2 of `init=full_plus`."""
+    rules = list(init.phase1_rules)
+    if not rules or any(r not in PHASE1_RULES for r in rules) or len(set(rules)) != len(rules):
+        raise ConfigError(f"init.phase1_rules={rules}; expected a non-empty list without repeats of "
+                          f"{', '.join(PHASE1_RULES)}")
+    pool, phase2 = init.pool, init.phase2
+    positive_int("init.pool.windows", pool.windows)
+    window_length("init.pool.seq_len", pool.seq_len)
+    every = pool.held_out_every
+    if not isinstance(every, int) or isinstance(every, bool) or not 2 <= every <= pool.windows:
+        raise ConfigError(f"init.pool.held_out_every={every!r}; expected an integer from 2 to init.pool.windows="
+                          f"{pool.windows} (every n-th pool window is held out: at least one must be)")
+    if pool.get("layers_per_pass") is not None:
+        positive_int("init.pool.layers_per_pass", pool.layers_per_pass)
+    for key in ("steps", "batch_size", "select_every"):
+        positive_int(f"init.phase2.{key}", phase2[key])
+    fit = pool.windows - pool.windows // every
+    if phase2.batch_size > fit:
+        raise ConfigError(f"init.phase2.batch_size={phase2.batch_size} is more than the {fit} fit windows of the pool "
+                          f"(init.pool.windows={pool.windows}, one in init.pool.held_out_every={every} held out)")
+    for key in ("lr_projections", "lr_dynamics"):
+        positive_number(f"init.phase2.{key}", phase2[key], "a learning rate > 0")
+    one_of("init.phase2.schedule", phase2.schedule, SCHEDULES)
+    non_negative("init.phase2.weight_decay", phase2.weight_decay)
+    positive_number("init.phase2.grad_clip", phase2.grad_clip)
 
 
 def init_phases(cfg) -> list[str]:
@@ -94,14 +169,15 @@ def init_phases(cfg) -> list[str]:
 
 def check_calibration(cfg) -> None:
     cal = cfg.calibration
-    for key in ("batch_size", "seq_len", "block_size"):
+    for key in ("batch_size", "block_size"):
         positive_int(f"calibration.{key}", cal[key])
+    window_length("calibration.seq_len", cal.seq_len)
     if "phase2" in init_phases(cfg):
         positive_int("calibration.phase2.steps", cal.phase2.steps)
         for key in ("lr_projections", "lr_dynamics"):
             positive_number(f"calibration.phase2.{key}", cal.phase2[key], "a learning rate > 0")
         positive_number("calibration.phase2.grad_clip", cal.phase2.grad_clip)
-        in_range("calibration.phase2.weight_decay", cal.phase2.weight_decay, 0.0, math.inf, "a number >= 0")
+        non_negative("calibration.phase2.weight_decay", cal.phase2.weight_decay)
     p1 = cal.phase1
     for low, high in (("gamma_min", "gamma_max"), ("sigma_min", "sigma_max")):
         positive_number(f"calibration.phase1.{low}", p1[low])
@@ -121,14 +197,21 @@ def check_retention(cfg, num_layers: int | None) -> None:
         keep = None if OmegaConf.is_missing(ret, "keep") else ret.keep
         if not isinstance(keep, (list, tuple, ListConfig)):
             raise ConfigError(f"retention.keep={keep!r}; expected a list of layer indices, e.g. retention.keep=[0,2]")
+        bad = [i for i in keep if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+        if bad:
+            raise ConfigError(f"retention.keep={list(keep)} holds {bad}, not layer indices; expected whole numbers "
+                              f">= 0, e.g. retention.keep=[0,2]")
         with as_config_error():
             validate_keep_layers(list(keep), num_layers if num_layers is not None else 1 << 30)
         return
+    if not isinstance(ret.ratio, (int, float)) or isinstance(ret.ratio, bool):
+        raise ConfigError(f"retention.ratio={ret.ratio!r}; expected a number in (0, 1], e.g. retention.ratio=0.5")
     with as_config_error():
         num_kept(ret.ratio, num_layers or 1)
     if ret.name in SCORED:
-        for key in ("seq_len", "num_windows", "batch_size"):
+        for key in ("num_windows", "batch_size"):
             positive_int(f"retention.{key}", ret[key])
+        window_length("retention.seq_len", ret.seq_len)
 
 
 def check_data(cfg) -> None:
@@ -161,8 +244,9 @@ def existing_file(key: str, path) -> None:
 
 def check_eval(cfg) -> None:
     ev = cfg.eval
-    for key in ("seq_len", "num_windows", "batch_size"):
+    for key in ("num_windows", "batch_size"):
         positive_int(f"eval.{key}", ev[key])
+    window_length("eval.seq_len", ev.seq_len)
     one_of("eval.harness.name", ev.harness.name, HARNESSES)
     one_of("eval.ruler.name", ev.ruler.name, RULERS)
 
@@ -173,6 +257,7 @@ def check_stages(cfg) -> None:
         one_of(f"{prefix}.kind", kind, sorted(STAGES))
         for key in BUDGET_KEYS:
             positive_int(f"{prefix}.{key}", node.get(key))
+        window_length(f"{prefix}.seq_len", node.seq_len)
         if node.eval_every_tokens > node.max_tokens:
             raise ConfigError(f"{prefix}.eval_every_tokens={node.eval_every_tokens} is larger than "
                               f"{prefix}.max_tokens={node.max_tokens}")
@@ -185,6 +270,12 @@ def check_stages(cfg) -> None:
             if key in node:
                 positive_number(f"{prefix}.{key}", node[key], "a learning rate > 0")
         one_of(f"{prefix}.schedule", node.schedule, SCHEDULES)
+        if "min_lr_ratio" in node:
+            fraction(f"{prefix}.min_lr_ratio", node.min_lr_ratio, "a number in [0, 1] (the floor of the cosine "
+                                                                  "schedule, as a fraction of the learning rate)")
+        non_negative(f"{prefix}.weight_decay", node.weight_decay)
+        if "ce_weight" in node:
+            non_negative(f"{prefix}.ce_weight", node.ce_weight)
         betas = list(node.betas)
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
             raise ConfigError(f"{prefix}.betas={betas}; expected two numbers in [0, 1)")
@@ -259,6 +350,21 @@ def check_logger(cfg) -> None:
     one_of("logger.name", cfg.logger.name, LOGGERS)
 
 
+def check_paths(cfg) -> None:
+    """The cache folder is a folder this user can write (found now, not after calibration work started)."""
+    key, value = "paths.cache_dir", str(cfg.paths.cache_dir)
+    folder = Path(value).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{key}={value!r} is a file; expected a folder (or a path where one can be made)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{key}={value!r} cannot be written ({err.strerror or err}); expected a folder this user "
+                          f"can write") from None
+
+
 def check_seed(cfg) -> None:
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed!r}; expected an integer >= 0")
@@ -307,11 +413,13 @@ def check_teacher_shape(cfg, num_layers: int | None, context: int | None) -> Non
 
 def validate_config(cfg) -> None:
     """Everything checkable before the teacher loads; raises ConfigError."""
-    for check in (check_seed, check_teacher, check_trainer, check_init, check_calibration, check_data, check_eval,
-                  check_stages, check_logger):
+    for check in (check_known_keys, check_seed, check_teacher, check_trainer, check_init, check_calibration, check_data,
+                  check_eval, check_stages, check_logger):
         check(cfg)
     check_retention(cfg, None)
     check_teacher_shape(cfg, *configured_shape(cfg))
+    check_setting_types(cfg)  # after the checks that name what each setting expects more precisely
+    check_paths(cfg)  # last: it makes the cache folder
 
 
 def validate_loaded(ctx) -> None:
@@ -334,6 +442,10 @@ def check_split_tokens(ctx) -> None:
         needs.append((f"calibration.batch_size={cal.batch_size} windows of calibration.seq_len={cal.seq_len}"
                       + (" (with calibration.check=true, the unseen windows between them too)" if cal.check else ""),
                       windows * cal.seq_len, ctx.splits.calibration, "the calibration split"))
+    if cfg.init.name == "full_plus":
+        pool = cfg.init.pool
+        needs.append((f"init.pool.windows={pool.windows} windows of init.pool.seq_len={pool.seq_len}",
+                      pool.windows * pool.seq_len, ctx.splits.calibration, "the calibration split"))
     ret = cfg.retention
     if ret.name in SCORED and num_kept(ret.ratio, ctx.num_layers) < ctx.num_layers:
         needs.append((f"retention.num_windows={ret.num_windows} windows of retention.seq_len={ret.seq_len}",

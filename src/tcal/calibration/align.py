@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from tcal.errors import Divergence
 from tcal.gdn import GatedDeltaNet
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -107,8 +108,8 @@ def check_finite_loss(loss: float, gdn: GatedDeltaNet, step: int, tokens: int) -
     """Stop Phase 2 at the first NaN or Inf loss, naming the layer, step and tokens (the layer is left as it
     was before that step; nothing of it is saved)."""
     if not math.isfinite(loss):
-        raise FloatingPointError(f"phase 2: alignment loss of layer {gdn.layer_idx} is {loss} at step {step} "
-                                 f"({tokens} calibration tokens); stopping")
+        raise Divergence(f"phase 2: alignment loss of layer {gdn.layer_idx} is {loss} at step {step} "
+                         f"({tokens} calibration tokens); stopping")
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ float32 one chunk at a time, so a 152k vocabulary never holds a [batch, tokens, 
 from __future__ import annotations
 
 import math
+from sys import float_info
 
 import torch
 import torch.nn.functional as F
@@ -56,5 +57,7 @@ def window_nll(model, windows: torch.Tensor, batch_size: int = 4, desc: str | No
 
 
 def perplexity(model, windows: torch.Tensor, batch_size: int = 4, desc: str | None = None) -> float:
+    """exp(mean NLL); infinite when it overflows, NaN when the NLL is (a diverged model), never an error."""
     total, count = window_nll(model, windows, batch_size, desc)
-    return math.exp(total / count)
+    mean = total / count
+    return math.inf if mean > math.log(float_info.max) else math.exp(mean)

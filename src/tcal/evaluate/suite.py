@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from tcal.cache_entry import get_or_build, read_json, write_json
+from tcal.cache_entry import get_or_build, read_json_entry, write_json
 from tcal.data import Document, eval_sets, token_windows
 from tcal.distributed import shared_entry
 from tcal.evaluate.validation import validated_perplexities
@@ -30,7 +30,7 @@ def cached_teacher(ctx, kind: str, settings, compute, collective: bool = False):
     path = ctx.cache_dir / "teacher_eval" / f"{kind}-{key}.json"
 
     def read(p=path):
-        return read_json(p, "teacher figure cache", lambda record: record["value"])
+        return read_json_entry(p, "teacher figure cache", lambda record: record["value"])
 
     def write(p, value) -> None:
         write_json(p, {"kind": kind, "settings": settings, "value": value})

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from tcal.cache_entry import get_or_build, read_json, write_json
+from tcal.cache_entry import get_or_build, read_json_entry, write_json
 from tcal.data import token_stream, token_windows
 from tcal.distributed import shared_entry
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
@@ -73,7 +73,7 @@ class ScoreCache:
     def load(self, policy: str, key: str) -> dict[int, float] | None:
         if self.folder is None:
             return None
-        return read_json(self.path(policy, key), "retention score cache",
+        return read_json_entry(self.path(policy, key), "retention score cache",
                          lambda record: {int(k): float(v) for k, v in record["scores"].items()})
 
     def save(self, policy: str, key: str, parts: dict, scores: dict[int, float]) -> None:

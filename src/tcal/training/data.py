@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from tcal.cache_entry import get_or_build, load_tensors, save_tensors
 from tcal.data import Document, token_stream
+from tcal.errors import ConfigError
 from tcal.fingerprint import digest
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ def pack(stream: torch.Tensor, seq_len: int, source: str = "training split") -> 
     """[N, seq_len] consecutive non-overlapping windows of the stream (the tail shorter than a window is dropped)."""
     n = stream.numel() // seq_len
     if n < 1:
-        raise ValueError(f"the {source} has {stream.numel()} tokens, fewer than one sequence of "
-                         f"stage.seq_len={seq_len}")
+        raise ConfigError(f"the {source} has {stream.numel()} tokens, fewer than one sequence of "
+                          f"stage.seq_len={seq_len}; expected more training text or a shorter stage.seq_len")
     return stream[: n * seq_len].view(n, seq_len)
 
 

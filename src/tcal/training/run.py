@@ -23,7 +23,9 @@ from tcal.data import eval_sets, token_windows
 from tcal.distributed import world_size
 from tcal.evaluate.validation import eval_dataloaders
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
+from tcal.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
+from tcal.tracking import drop_rows_after
 from tcal.training.data import PackedTextDataModule
 from tcal.training.stages import STAGES
 
@@ -145,6 +147,11 @@ def teacher_in_dtype(teacher, dtype_name: str | None):
         teacher.to(own)
 
 
+def loss_text(value: float | None) -> str:
+    """A loss for the console; none when a resumed stage had no step left to run."""
+    return "-" if value is None else f"{value:.4g}"
+
+
 def student_weights(state: dict) -> dict:
     """The student's entries of a LightningModule state dict (wrappers' prefixes such as `_forward_module.` cut)."""
     marker = "student."
@@ -209,6 +216,7 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
     ckpt_path = str(last) if resume and last.is_file() else None
     if ckpt_path:
         log.info("stage %s: resuming from %s", plan.kind, ckpt_path)
+    drop_rows_after(logger, plan.kind, checkpoint_progress(last).get("tokens_seen") if ckpt_path else None)
     start = time.perf_counter()
     with teacher_in_dtype(ctx.teacher, plan.cfg.get("teacher_dtype")):
         if ckpt_path is None:
@@ -229,7 +237,7 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
     first, final = ({name: points[i]["ppl"] for name, points in module.curve.items() if points} for i in (0, -1))
     if trainer.is_global_zero:
         print(f"stage {plan.kind}: {module.tokens_seen:,} tokens in {trainer.global_step} steps, {seconds:.0f} s "
-              f"in this process; loss {module.loss_first:.4g} -> {module.loss_last:.4g}; "
+              f"in this process; loss {loss_text(module.loss_first)} -> {loss_text(module.loss_last)}; "
               + ", ".join(f"ppl {n} {first[n]:.2f} -> {final[n]:.2f}" for n in final), flush=True)
         if key is not None:
             cache.save(key, student, record)

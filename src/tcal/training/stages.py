@@ -18,6 +18,7 @@ import torch
 
 from tcal.calibration.align import alignment_loss, capture_teacher_io
 from tcal.evaluate.validation import PerplexityValidation
+from tcal.errors import Divergence
 from tcal.fingerprint import weights_digest
 from tcal.training.kd import chunked_kd_loss
 
@@ -129,8 +130,7 @@ class StageModule(PerplexityValidation):
 
     def check_finite(self, loss: torch.Tensor, what: str = "loss") -> None:
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"{self.kind}: {what} is {loss.item()} at step {self.global_step} "
-                                     f"(tokens_seen {self.tokens_seen}); stopping with the last checkpoint kept")
+            raise Divergence.in_stage(self.kind, what, loss.item(), self.global_step, self.tokens_seen)
 
     def log_step(self, loss: torch.Tensor, extra: dict) -> None:
         """Loss, extras, tokens_seen (also the logger's step) and throughput, on the progress bar too."""
@@ -161,8 +161,14 @@ class StageModule(PerplexityValidation):
         return self.student
 
     def on_perplexities(self, ppl: dict[str, float]) -> None:
-        """One curve point per eval set at `tokens_seen`: logged with it as the step, handed to `on_curve`."""
+        """One curve point per eval set at `tokens_seen`: logged with it as the step, handed to `on_curve`. A
+        non-finite perplexity stops the stage on every rank (the sums were reduced over ranks, so all of them see
+        it) before the point or a checkpoint is kept."""
         tokens = int(self.tokens_seen)
+        diverged = next(((name, value) for name, value in ppl.items() if not math.isfinite(value)), None)
+        if diverged is not None:
+            raise Divergence.in_stage(self.kind, f"perplexity on eval set {diverged[0]!r}", diverged[1],
+                                      self.trainer.global_step, tokens)
         self.last_eval_tokens = tokens
         if not self.trainer.is_global_zero:
             return
@@ -174,14 +180,20 @@ class StageModule(PerplexityValidation):
         log.info("%s at %d tokens: %s", self.kind, tokens, ", ".join(f"ppl {n} {v:.2f}" for n, v in ppl.items()))
         self.on_curve(self.curve)
 
+    def on_fit_end(self) -> None:
+        """A fit resumed from a checkpoint of its last step trains nothing and skips on_train_end: gather here."""
+        if not self.rank_weight_digests:
+            self.on_train_end()
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["tcal"] = {"tokens_seen": self.tokens_seen, "loss_first": self.loss_first, "curve": self.curve,
+        checkpoint["tcal"] = {"tokens_seen": self.tokens_seen, "loss_first": self.loss_first,
+                              "loss_last": self.loss_last, "curve": self.curve,
                               "last_eval_tokens": self.last_eval_tokens}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint["tcal"]
         self.tokens_seen = int(state["tokens_seen"])
-        self.loss_first = state["loss_first"]
+        self.loss_first, self.loss_last = state["loss_first"], state.get("loss_last")
         self.curve, self.last_eval_tokens = state["curve"], state["last_eval_tokens"]
 
 

@@ -1,0 +1,132 @@
+"""Command-line overrides checked before Hydra starts a job: each job of the command composes.
+
+Hydra reports an override it cannot apply (a misspelled key, `+` on a key that exists, bad syntax) in several
+lines and exits with code 1, and inside a sweep it stops the whole sweep; here it is one `ConfigError` naming
+the argument, before any job runs. Keys added with `+` are checked once the job's config exists
+(`tcal.validate.check_known_keys`). With `resume=RUN_DIR`, an override of a setting the recorded run holds is
+compared with it here (the default config may not even have that key), as the job does (`tcal.rerun`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from pathlib import Path
+
+from tcal.errors import ConfigError
+from tcal.settings import CONF, GLOBAL_GROUPS, group_options, leaf_items, unknown_key_message
+
+RUN_FLAGS = ("-m", "--multirun", "-r", "--run")  # flags that leave the overrides as they are
+
+
+def parse(arg: str):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        (override,) = OverridesParser.create().parse_overrides([arg])
+    except HydraException as err:
+        first = " ".join(str(err).split()).split(" See https://")[0]
+        raise ConfigError(f"{arg}: cannot be read ({first}); expected key=value in Hydra's override syntax, e.g. "
+                          f"retention.keep=[0,2]") from None
+    return override
+
+
+def job_override_lists(args: list[str]) -> list[list[str]]:
+    """The override lists to compose for `args`: one per combination of swept config groups (a group decides
+    which keys exist), other sweeps at their first value; Hydra's own settings left to Hydra."""
+    from hydra.errors import HydraException
+
+    fixed, swept = [], []
+    for arg in args:
+        override = parse(arg)
+        key = override.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            continue
+        if not override.is_sweep_override():
+            fixed.append(arg)
+            continue
+        try:
+            values = list(override.sweep_string_iterator())
+        except HydraException:  # glob(...) needs Hydra's config loader: left to Hydra
+            continue
+        if group_options(key) is None:
+            values = values[:1]
+        swept.append([f"{override.get_key_element()}={value}" for value in values])
+    return [fixed + list(combination) for combination in itertools.product(*swept)]
+
+
+def one_line(err: Exception, job: list[str], args: list[str]) -> str:
+    """Hydra's composition error as one line naming the argument."""
+    message = " ".join(str(err).split())
+    by_key = {a.lstrip("+~").split("=", 1)[0]: a for a in job}
+    groups = [a for a in job if a not in args and group_options(a.split("=", 1)[0]) is not None]
+    where = f" in the job with {' '.join(groups)}" if groups else ""
+    if found := re.match(r"Could not override '([^']+)'", message):
+        key = found.group(1)
+        return unknown_key_message(by_key.get(key, key), key, where=where)
+    if found := re.match(r"Could not append to config. An item is already at '([^']+)'", message):
+        key = found.group(1)
+        return f"{by_key.get(key, key)}: {key} is already a setting; expected {by_key.get(key, key).lstrip('+')}"
+    if found := re.match(r"Could not delete from config. '([^']+)' does not exist", message):
+        key = found.group(1)
+        return f"{by_key.get(key, key)}: no such setting to delete{where}; expected a setting of the config (conf/)"
+    return f"{' '.join(job)}: {message}; expected overrides that compose"
+
+
+def check_resume_overrides(run_dir: str, overrides: list[str]) -> None:
+    """The overrides of `tcal resume=RUN_DIR ...` change no setting of the recorded run but safe ones."""
+    from tcal.errors import FolderInUse
+    from tcal.rerun import SAFE_ON_RESUME, describe, differing_keys
+
+    results = Path(run_dir) / "results.json"
+    try:
+        recorded = json.loads(results.read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # the job names the problem
+    given = {}
+    for arg in overrides:
+        override = parse(arg)
+        key = override.key_or_group
+        skipped = key in ("resume", *GLOBAL_GROUPS) or key.startswith("hydra")
+        if skipped or override.is_delete() or override.is_sweep_override():
+            continue
+        dotted = key.replace("/", ".")
+        given[f"{dotted}.name" if group_options(key) is not None else dotted] = override.value()
+    known = leaf_items(recorded)
+    differences = differing_keys({k: known.get(k) for k in given}, given)
+    if differences:
+        raise FolderInUse(f"resume={run_dir}: the run was started with other settings ({describe(differences)}); "
+                          f"expected only keys safe to change on resume ({', '.join(SAFE_ON_RESUME)})")
+
+
+def check_arguments(args: list[str]) -> None:
+    """Every job that `args` describe composes; raises ConfigError with one line otherwise."""
+    if any(a.startswith("-") and a not in RUN_FLAGS for a in args):
+        return  # --cfg, --info, -cn ...: Hydra's own modes
+    overrides = [a for a in args if a not in RUN_FLAGS]
+    if not any(a in ("-m", "--multirun") for a in args):
+        for arg in overrides:
+            if parse(arg).is_sweep_override():
+                raise ConfigError(f"{arg}: a sweep of values in a single run; expected tcal -m ... to run one job "
+                                  f"per value, or {arg.split('=', 1)[0]}=[...] for a list")
+    jobs = job_override_lists(overrides)
+    resume = next((a.split("=", 1)[1] for a in overrides if a.startswith("resume=")), None)
+    if resume:
+        check_resume_overrides(resume, overrides)
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            for job in jobs:
+                try:
+                    compose("config", overrides=job)
+                except (HydraException, OmegaConfBaseException) as err:
+                    raise ConfigError(one_line(err, job, overrides)) from None
+    finally:
+        GlobalHydra.instance().clear()

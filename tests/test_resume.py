@@ -1,0 +1,219 @@
+"""Resume is idempotent: a run killed at any point (before training, mid-stage, with a checkpoint at the last step,
+during the final evaluation, after completion) and resumed ends with the record, curve, weights and logged
+metrics of the uninterrupted run; a damaged checkpoint is named and leaves the record as it was; a resume may
+change only the keys safe to change."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose, isolated_cache_dir
+from lightning.pytorch.callbacks import Callback
+from safetensors.torch import load_file
+
+from tcal.app import CONF_DIR, resumed_config, run_in
+from tcal.arguments import check_arguments
+from tcal.errors import DamagedCheckpoint, FolderInUse
+from tcal.pipeline import run
+from tcal.rerun import resume_config
+
+TINY = ("experiment=smoke", "init=naive", "eval.num_windows=2")
+DISTILL = ("stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=256",
+           "stage.eval_every_tokens=128")
+ALIGN_DISTILL = ("stage=align_distill", "stage.align.cache=false", *(f"stage.{kind}.{key}={value}" for kind in
+                 ("align", "distill") for key, value in (("batch_size", 2), ("seq_len", 32), ("max_tokens", 128),
+                                                         ("eval_every_tokens", 64))))
+LOGGED = ("step", "distill/loss", "distill/ppl/shakespeare", "align/loss", "align/ppl/shakespeare")
+
+
+class Kill(BaseException):
+    """Like SIGKILL: nothing after it runs, and no handler records a failure."""
+
+
+class KillAt(Callback):
+    """Kill in stage `kind` after `step` optimizer steps (step None: as training starts)."""
+
+    def __init__(self, kind: str, step: int | None):
+        self.kind, self.step = kind, step
+
+    def on_train_start(self, trainer, module):
+        if module.kind == self.kind and self.step is None:
+            raise Kill(f"killed as {self.kind} starts")
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if module.kind == self.kind and trainer.global_step == self.step:
+            raise Kill(f"killed at {self.kind} step {self.step}")
+
+
+def cfg_of(cache: str, stage: tuple):
+    return compose(*TINY, *stage, f"paths.cache_dir={cache}")
+
+
+def read(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def logged(run_dir: Path) -> list[tuple]:
+    with open(run_dir / "logs" / "metrics.csv", newline="") as handle:
+        return [tuple(row.get(k, "") for k in LOGGED) for row in csv.DictReader(handle)
+                if any(row.get(k) for k in LOGGED[1:])]
+
+
+def weights(run_dir: Path) -> dict:
+    return load_file(run_dir / "student" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Uninterrupted runs of each stage setting, and the shared cache."""
+    root = tmp_path_factory.mktemp("straight")
+    cache = isolated_cache_dir(root / "cache")
+    runs = {}
+    for name, stage in (("distill", DISTILL), ("align_distill", ALIGN_DISTILL)):
+        run(cfg_of(cache, stage), root / name)
+        runs[name] = root / name
+    return cache, runs
+
+
+def resume(run_dir: Path) -> None:
+    """What `tcal resume=RUN_DIR` does."""
+    run_in(resumed_config(run_dir), run_dir)
+
+
+def assert_same_as(resumed: Path, uninterrupted: Path) -> None:
+    a, b = read(resumed), read(uninterrupted)
+    assert a["status"] == "complete" and "error" not in a
+    for key in ("curve", "metrics", "keep_layers", "init_weights_digest"):
+        assert a[key] == b[key], key
+    for kind, record in b["stages"].items():
+        for key in ("steps", "tokens_seen", "curve", "loss_first", "loss_last", "rank_weight_digests"):
+            assert a["stages"][kind][key] == record[key], (kind, key)
+    wa, wb = weights(resumed), weights(uninterrupted)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert logged(resumed) == logged(uninterrupted) and logged(resumed)  # earlier rows kept, none twice
+
+
+@pytest.mark.parametrize("setting,kill,status", [
+    ("distill", ("distill", None), "initialized"),  # before training: no checkpoint yet
+    ("distill", ("distill", 3), "initialized"),  # mid-stage: checkpoint at step 2
+    ("distill", ("evaluate", None), "trained_distill"),  # final evaluation: checkpoint at the last step
+    ("align_distill", ("distill", 1), "trained_align"),  # Stage 2, uncached Stage 1 checkpoint at its last step
+], ids=["before_training", "mid_stage", "final_evaluation", "stage2_after_uncached_stage1"])
+def test_a_killed_run_resumes_to_the_uninterrupted_record(setting, kill, status, straight, tmp_path, monkeypatch):
+    cache, runs = straight
+    run_dir = tmp_path / "killed"
+    stage = DISTILL if setting == "distill" else ALIGN_DISTILL
+    if kill[0] == "evaluate":
+        with monkeypatch.context() as patch:
+            patch.setattr("tcal.pipeline.evaluate", lambda *args: (_ for _ in ()).throw(Kill("killed in evaluation")))
+            with pytest.raises(Kill):
+                run(cfg_of(cache, stage), run_dir)
+    else:
+        with pytest.raises(Kill):
+            run(cfg_of(cache, stage), run_dir, callbacks=[KillAt(*kill)])
+    assert read(run_dir)["status"] == status
+    resume(run_dir)
+    assert_same_as(run_dir, runs[setting])
+
+
+def test_resuming_a_complete_run_does_nothing(straight, capsys):
+    _, runs = straight
+    results = runs["distill"] / "results.json"
+    before = (results.read_bytes(), results.stat().st_mtime_ns,
+              (runs["distill"] / "logs" / "metrics.csv").read_bytes())
+    resume(runs["distill"])
+    assert "already holds this run, complete; nothing to do" in capsys.readouterr().out
+    assert (results.read_bytes(), results.stat().st_mtime_ns,
+            (runs["distill"] / "logs" / "metrics.csv").read_bytes()) == before
+
+
+@pytest.mark.slow  # the default suite resumes from last-step checkpoints in the kill tests above
+def test_a_resume_after_a_checkpoint_at_the_last_step_completes(straight, tmp_path):
+    """A run whose record was lost after its last checkpoint (only "initialized" on disk) resumes without training."""
+    cache, runs = straight
+    run_dir = tmp_path / "run"
+    run(cfg_of(cache, DISTILL), run_dir)
+    record = read(run_dir)
+    (run_dir / "results.json").write_text(json.dumps({**record, "status": "initialized", "stages": {}, "curve": {}}))
+    resume(run_dir)
+    assert_same_as(run_dir, runs["distill"])
+    assert read(run_dir)["stages"]["distill"]["resumed"]
+
+
+def test_a_damaged_checkpoint_is_named_and_the_record_keeps_what_it_held(straight, tmp_path):
+    cache, _ = straight
+    run_dir = tmp_path / "killed"
+    with pytest.raises(Kill):
+        run(cfg_of(cache, DISTILL), run_dir, callbacks=[KillAt("distill", 3)])
+    checkpoint = run_dir / "checkpoints" / "distill" / "last.ckpt"
+    checkpoint.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
+    kept = {p: p.read_bytes() for p in (run_dir / "results.json", run_dir / "logs" / "metrics.csv")}
+    assert read(run_dir)["curve"]["shakespeare"]  # the curve so far is part of what is kept
+    with pytest.raises(DamagedCheckpoint, match=rf"^checkpoint {checkpoint} cannot be read \(RuntimeError: .*\); "
+                                                rf"expected a whole checkpoint"):
+        resume(run_dir)
+    assert {p: p.read_bytes() for p in kept} == kept
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "tcal.app", f"resume={run_dir}", f"hydra.run.dir={tmp_path / 'log'}"],
+                          cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"tcal: configuration error: checkpoint {checkpoint} cannot be read")
+    assert {p: p.read_bytes() for p in kept} == kept
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Overrides on resume
+
+
+@pytest.fixture
+def recorded_run(tmp_path):
+    """A folder whose results.json records a distill run's config (what `tcal resume=` reads)."""
+    cfg = compose(*TINY, *DISTILL, "paths.cache_dir=/cache/a")
+    (tmp_path / "results.json").write_text(json.dumps({"status": "initialized", "config": resolved(cfg)}))
+    return tmp_path
+
+
+def resolved(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["seed=7", "stage=distill", "stage.lr_mixer=0.5"],
+     r"the run was started with other settings \(seed=7 \(that run: 0\), stage.lr_mixer=0.5 \(that run: 0.0001\)\); "
+     r"expected only keys safe to change on resume \(resume, task_name, paths.\*, logger.\*"),
+    (["experiment=smoke", "eval.num_windows=2", "init=full"],
+     r"the run was started with other settings \(init.name='full' \(that run: 'naive'\)\); expected"),
+    (["experiment=smoke", "eval.num_windows=3"],
+     r"the run was started with other settings \(eval.num_windows=3 \(that run: 2\)\); expected"),
+])
+def test_resume_refuses_overrides_that_change_the_run(overrides, match, recorded_run):
+    cfg = compose(f"resume={recorded_run}", *overrides)
+    recorded = resumed_config(recorded_run)
+    with pytest.raises(FolderInUse, match=rf"^resume={recorded_run}: {match}"):
+        resume_config(recorded_run, recorded, cfg, compose(), overrides)
+    with pytest.raises(FolderInUse, match=rf"^resume={recorded_run}: {match}"):
+        check_arguments([f"resume={recorded_run}", *overrides])
+
+
+def test_resume_takes_safe_overrides_and_the_run_s_own_settings(recorded_run):
+    overrides = ["experiment=smoke", "init=naive", "eval.num_windows=2", "paths.cache_dir=/cache/b", "logger=none",
+                 "save_student=false", "stage=distill", "stage.lr_mixer=0.0001"]
+    cfg = compose(f"resume={recorded_run}", *overrides)
+    check_arguments([f"resume={recorded_run}", *overrides])
+    resumed = resume_config(recorded_run, resumed_config(recorded_run), cfg, compose(), overrides)
+    expected = {**json.loads((recorded_run / "results.json").read_text())["config"], "resume": str(recorded_run),
+                "save_student": False}
+    expected["paths"] = {**expected["paths"], "cache_dir": "/cache/b"}
+    expected["logger"] = {"name": "none"}
+    assert resolved(resumed) == expected
