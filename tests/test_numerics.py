@@ -25,7 +25,7 @@ from tcal.errors import Divergence
 from tcal.evaluate.perplexity import perplexity
 from tcal.pipeline import run
 from tcal.record import write_record
-from tcal.training import curve as curve_module
+from tcal.training.stages import StageModule
 from tcal.training import stages as stages_module
 
 B, T, H, DH, D = 2, 24, 4, 16, 64
@@ -155,20 +155,16 @@ def distill_cfg(tmp_path: Path, *overrides: str):
                    "eval.num_windows=2", "stage=distill", "stage.batch_size=2", "stage.seq_len=32", *overrides)
 
 
-def value_after(real, calls: int, value: float):
-    """`real`, except that it returns `value` from call number `calls` on."""
-    count = {"n": 0}
-
-    def wrapped(*args, **kwargs):
-        count["n"] += 1
-        return real(*args, **kwargs) if count["n"] < calls else value
-
-    return wrapped
-
-
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_a_non_finite_perplexity_stops_the_stage_naming_the_eval_set(value, tmp_path, monkeypatch):
-    monkeypatch.setattr(curve_module, "perplexity", value_after(curve_module.perplexity, 3, value))
+    real = StageModule.on_perplexities
+    calls = {"n": 0}
+
+    def poisoned(module, ppl):
+        calls["n"] += 1
+        return real(module, ppl if calls["n"] < 3 else {name: value for name in ppl})
+
+    monkeypatch.setattr(StageModule, "on_perplexities", poisoned)
     cfg = distill_cfg(tmp_path, "stage.max_tokens=640", "stage.eval_every_tokens=192")
     with pytest.raises(Divergence, match=rf"distill: perplexity on eval set 'shakespeare' is {value} at step 6 "
                                          rf"\(tokens_seen 384\); stopping with the last checkpoint kept"):

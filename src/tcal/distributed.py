@@ -144,3 +144,10 @@ def shared_entry(ranks: Ranks, read: Callable[[], T | None], build: Callable[[],
         write(value)
     ranks.barrier()
     return value
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is rank 0 of its run (Lightning records the rank once the ranks are launched)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0

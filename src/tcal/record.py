@@ -80,7 +80,7 @@ def describe(err: BaseException) -> str:
 def record_failure(run_dir: str | Path, err: BaseException, cfg=None, create: bool = False) -> Path | None:
     """Mark the record in `run_dir` failed with `err`, keeping everything it held; with `create`, write one (with
     the config) when there is none. Returns its path, or None when nothing was written (and on ranks but 0)."""
-    from tcal.pipeline import is_rank_zero
+    from tcal.distributed import is_rank_zero
 
     path = Path(run_dir) / RESULTS
     record = read_record(run_dir) if is_rank_zero() else None
