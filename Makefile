@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install run test test-slow bench report clean
+.PHONY: install run test test-slow bench plan report clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -27,6 +27,9 @@ test-slow: install
 
 bench: install
 	$(VENV)/bin/tcal-bench $(ARGS)
+
+plan: install
+	$(VENV)/bin/tcal-plan $(ARGS)
 
 report: install
 	$(VENV)/bin/tcal-report $(ARGS)
