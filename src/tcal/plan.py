@@ -68,14 +68,14 @@ class Precision:
     compute: torch.dtype
     mixed: bool
 
+    ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true",
+               "transformer-engine": "bf16-mixed", "transformer-engine-float16": "16-mixed"}
+    DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
+
     @classmethod
     def parse(cls, name) -> "Precision":
-        name = str(name)
-        compute = (torch.bfloat16 if "bf16" in name or "transformer-engine" == name else
-                   torch.float16 if name.startswith("16") or name == "transformer-engine-float16" else
-                   torch.float64 if name.startswith("64") else torch.float32)
-        mixed = name.endswith("-mixed") or name in ("16", "bf16") or name.startswith("transformer-engine")
-        return cls(name, compute, mixed)
+        bits, _, mode = cls.ALIASES.get(str(name), str(name)).partition("-")
+        return cls(str(name), cls.DTYPES[bits], mode == "mixed")
 
     @property
     def weight_bytes(self) -> int:
@@ -513,8 +513,9 @@ def make_plan(cfg, device_gb: float = 80.0) -> dict:
     model = build_model(cfg, keep)
     device_type = "cpu" if str(cfg.trainer.accelerator) == "cpu" else "cuda"
     world = world_size(cfg.trainer)
-    stages = {kind: stage_memory(kind, node, cfg, model, world, device_type) for kind, node, _ in stages_of(cfg.stage)}
-    stages["calibration"] = calibration_memory(cfg, model, device_type)
+    stages = {"calibration": calibration_memory(cfg, model, device_type)}
+    stages.update({kind: stage_memory(kind, node, cfg, model, world, device_type)
+                   for kind, node, _ in stages_of(cfg.stage)})
     per_device = {kind: round(stages[kind].peak / GB, 2) if kind in stages else None
                   for kind in ("calibration", "align", "distill")}
     notes = []
