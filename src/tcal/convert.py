@@ -92,6 +92,17 @@ def naive_gdn(teacher, layer: int, gqa_expansion: str = "whole_head", seed: int 
     return gdn
 
 
+def take_buffers(student, teacher) -> None:
+    """The teacher's buffers, in their own dtype, replace the student's of the same name: `.to(dtype)` cast the
+    student's RoPE frequencies to the weights' dtype, while transformers keeps the teacher's in float32."""
+    own = dict(student.named_buffers())
+    for name, buffer in teacher.named_buffers():
+        if name in own:
+            module_name, _, attr = name.rpartition(".")
+            module = student.get_submodule(module_name)
+            module.register_buffer(attr, buffer.clone(), persistent=attr not in module._non_persistent_buffers_set)
+
+
 def build_student(teacher, keep_layers, gqa_expansion: str = "whole_head", seed: int = 0) -> HybridForCausalLM:
     """The naive hybrid student: a copy of the teacher with GDN mixers outside `keep_layers`."""
     if gqa_expansion not in GQA_EXPANSIONS:
@@ -100,6 +111,7 @@ def build_student(teacher, keep_layers, gqa_expansion: str = "whole_head", seed:
     config = hybrid_config(teacher.config, keep_layers)
     dtype = next(teacher.parameters()).dtype
     student = HybridForCausalLM(config).to(dtype)
+    take_buffers(student, teacher)
     converted = tuple(f"model.layers.{i}.self_attn." for i in config.gdn_layers)
     state = teacher.state_dict()
     kept_state = {k: v for k, v in state.items() if not k.startswith(converted)}
