@@ -540,7 +540,7 @@ def make_plan(cfg, device_gb: float = 80.0) -> dict:
 
 
 ROWS = (  # (label, key in a stage's dict)
-    ("strategy", "strategy"), ("precision", "precision"), ("batch per rank", "batch_per_rank"),
+    ("init", "init"), ("strategy", "strategy"), ("precision", "precision"), ("batch per rank", "batch_per_rank"),
     ("tokens per step", "tokens_per_step"), ("steps", "steps"), ("weights GB", "weights_gb"),
     ("gradients GB", "gradients_gb"), ("optimizer GB", "optimizer_gb"), ("teacher GB", "teacher_gb"),
     ("buffers GB", "buffers_gb"), ("activations GB", "activations_gb"), ("kl GB", "kl_gb"), ("peak GB", "peak_gb"),
