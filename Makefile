@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install run test test-slow bench gpu-check report clean
+.PHONY: install run test test-slow bench gpu-check plan report clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -30,6 +30,9 @@ bench: install
 
 gpu-check: install
 	$(VENV)/bin/python benchmarks/gpu_check.py $(ARGS)
+
+plan: install
+	$(VENV)/bin/tcal-plan $(ARGS)
 
 report: install
 	$(VENV)/bin/tcal-report $(ARGS)

@@ -37,3 +37,12 @@ def test_bench_stages_print_their_figures(capsys):
         parts = line["teacher_forward_s"] + line.get("student_forward_backward_s", line.get("gdn_forward_backward_s", 0))
         assert line["ratio"] == pytest.approx(line["step_s"] / parts, rel=0.05)  # emit rounds to 1e-5 s
         assert line["peak_rss_gb"] > 0
+
+
+def test_fresh_process_runs_with_the_environment_it_is_given():
+    import os
+
+    from tcal.bench import in_fresh_process
+
+    assert in_fresh_process(os.getenv, "TCAL_BENCH_PROBE", env={"TCAL_BENCH_PROBE": "eager"}) == "eager"
+    assert "TCAL_BENCH_PROBE" not in os.environ

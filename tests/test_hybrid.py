@@ -296,6 +296,18 @@ def test_student_dtype_follows_teacher():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 
+def test_bfloat16_student_keeps_the_teachers_float32_rope_and_equals_it():
+    """A teacher loaded in bfloat16 keeps its RoPE frequencies in float32 (transformers does); the student's
+    `.to(bfloat16)` must not round them, or an all-kept student would not be its teacher."""
+    config = make_teacher("llama", rope_theta=500000.0).config
+    teacher = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    assert teacher.model.rotary_emb.inv_freq.dtype == torch.float32
+    student = build_student(teacher, list(range(4)))
+    assert torch.equal(student.model.rotary_emb.inv_freq, teacher.model.rotary_emb.inv_freq)
+    ids = tokens(1, 40)
+    assert torch.equal(logits(student, ids), logits(teacher, ids))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_flow_through_the_student(tiny_teachers, family):
     student = build_student(tiny_teachers[family], [0, 2]).train()

@@ -7,8 +7,9 @@ streaming statistics at T=4096 against a plain forward), `phase2` (Phase 2 step 
 forward+backward), `init` (wall time and peak memory of the `phase2`, `full` and `full_plus` inits, uncached,
 and their ratios to `full`), `stage1` / `stage2` (a training step against its parts measured apart, and the
 process's peak RSS), `stage2_plain` (the same step with full-batch logits and an unchunked KL, for the memory
-comparison). Ratios, not timed tests. Peak RSS is per process: run `stage2` and `stage2_plain` each in its own
-invocation.
+comparison), `plan` (`tcal-plan`'s Stage 2 peak against the peak RSS of the same short Stage 2, each measured in a
+fresh process; `-o stage.checkpoint_mixers=false` etc. choose the checkpointing). Ratios, not timed tests. Peak RSS
+is per process: run `stage2` and `stage2_plain` each in its own invocation.
 """
 
 from __future__ import annotations
@@ -205,23 +206,32 @@ def measure_init(cfg) -> dict:
             "peak_rss_bytes": peak, "peak_increase_bytes": peak - before, "threads": torch.get_num_threads()}
 
 
-def _measure_init_child(cfg, threads: int, queue) -> None:
+def _fresh_process_child(fn, args, threads: int, queue) -> None:
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
-    queue.put(measure_init(cfg))
+    queue.put(fn(*args))
+
+
+def in_fresh_process(fn, *args, env: dict | None = None):
+    """`fn(*args)` in a fresh (spawned) process with this one's thread count and `env` added to its environment, so
+    one measurement's freed memory does not hide the next one's peak; returns what `fn` returns."""
+    import multiprocessing as mp
+    import os
+    from unittest import mock
+
+    spawn = mp.get_context("spawn")
+    queue = spawn.Queue()
+    proc = spawn.Process(target=_fresh_process_child, args=(fn, args, torch.get_num_threads(), queue))
+    with mock.patch.dict(os.environ, env or {}):
+        proc.start()
+    value = queue.get()
+    proc.join()
+    return value
 
 
 def bench_init(cfg) -> dict:
     """`measure_init` in a fresh process, so one mode's freed memory does not hide the next one's peak."""
-    import multiprocessing as mp
-
-    spawn = mp.get_context("spawn")
-    queue = spawn.Queue()
-    proc = spawn.Process(target=_measure_init_child, args=(cfg, torch.get_num_threads(), queue))
-    proc.start()
-    figures = queue.get()
-    proc.join()
-    return emit("init_wall", **figures)
+    return emit("init_wall", **in_fresh_process(measure_init, cfg))
 
 
 def bench_init_modes(compose_cfg, modes=INIT_MODES_BENCHED) -> dict:
@@ -316,6 +326,70 @@ def bench_stage2(teacher, keep_layers, batch=4, seq_len=512, steps=3, plain=Fals
                 target="ratio <= 1.15, peak_rss_gb <= 4")
 
 
+PLAN_BATCH = (2, 512)  # small: a SmolLM2 step in about 30 s on one thread; activations 30-40% of the peak
+
+
+def plan_overrides(overrides=(), batch: int = PLAN_BATCH[0], seq_len: int = PLAN_BATCH[1], steps: int = 2) -> list:
+    """A short Stage 2 on the CPU: `steps` steps of batch x seq_len (`overrides` may change the teacher, retention
+    and `stage.*` settings such as the checkpointing)."""
+    tokens = batch * seq_len
+    return ["stage=distill", "trainer=cpu", f"stage.batch_size={batch}", f"stage.seq_len={seq_len}",
+            f"stage.max_tokens={steps * tokens}", f"stage.eval_every_tokens={tokens}", *overrides]
+
+
+def measure_stage2_peak(cfg, keep_layers) -> dict:
+    """Peak resident memory of a short Stage 2 (`cfg.stage`, float32 teacher on the CPU) over the process before
+    the teacher loaded: what the plan's per-device peak counts."""
+    from tcal.calibration.stats import _rss_kib
+    from tcal.convert import build_student
+    from tcal.teachers.load import load_teacher
+
+    base = _rss_kib("VmRSS") * 1024
+    teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
+    student = build_student(teacher, keep_layers)
+    steps = int(cfg.stage.max_tokens) // (int(cfg.stage.batch_size) * int(cfg.stage.seq_len))
+    gen = torch.Generator().manual_seed(0)
+    batches = torch.randint(0, teacher.config.vocab_size, (steps * int(cfg.stage.batch_size), int(cfg.stage.seq_len)),
+                            generator=gen)
+    module = DistillStage(student, teacher, cfg.stage, steps)
+    _reset_peak_rss()
+    step_s = _fit_step_time(module, batches, int(cfg.stage.batch_size))
+    return {"measured_increase_bytes": _rss_kib("VmHWM") * 1024 - base, "step_s": step_s}
+
+
+# glibc's malloc maps blocks of 128 KiB and more on their own and unmaps them when freed (by default it raises that
+# threshold as blocks are freed and keeps freed memory in its heap): resident memory then follows live tensors.
+EAGER_RELEASE = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def bench_plan(overrides=(), batch: int = PLAN_BATCH[0], seq_len: int = PLAN_BATCH[1], steps: int = 2) -> dict:
+    """`tcal-plan`'s Stage 2 peak for the CPU against the peak RSS increase of the same short Stage 2, measured in a
+    fresh process twice: with glibc releasing freed blocks at once (`EAGER_RELEASE`: the memory allocated, which is
+    what the plan counts and what the target is about) and with glibc's defaults (what a CPU run shows; the
+    difference is free memory glibc keeps). SmolLM2 by default: the real teacher, float32."""
+    from tcal.plan import GB, compose_config, make_plan
+
+    cfg = compose_config(plan_overrides(overrides, batch, seq_len, steps))
+    plan = make_plan(cfg)
+    stage = plan["stages"]["distill"]
+    keep = plan["retention"]["keep_layers"]
+    if keep is None:
+        raise ValueError(f"tcal-bench plan: retention={plan['retention']['policy']} scores layers; "
+                         f"use retention=uniform or explicit")
+    allocated = in_fresh_process(measure_stage2_peak, cfg, keep, env=EAGER_RELEASE)
+    default = in_fresh_process(measure_stage2_peak, cfg, keep)
+    allocated_gb, default_gb = (m["measured_increase_bytes"] / GB for m in (allocated, default))
+    return emit("plan_stage2_peak", teacher=plan["teacher"], shape=f"{batch}x{seq_len}", steps=steps,
+                checkpointing=stage["checkpointing"], planned_gb=stage["peak_gb"], measured_gb=allocated_gb,
+                ratio=stage["peak_gb"] / allocated_gb, measured_default_malloc_gb=default_gb,
+                ratio_default_malloc=stage["peak_gb"] / default_gb,
+                planned_parts_gb={k: stage[k] for k in ("weights_gb", "optimizer_gb", "teacher_gb", "activations_gb",
+                                                        "kl_gb", "gradients_gb")},
+                step_s=allocated["step_s"], step_s_default_malloc=default["step_s"], threads=torch.get_num_threads(),
+                target="ratio within 0.85 .. 1.15 (peak RSS increase over the process before the teacher loaded, "
+                       "glibc releasing freed blocks)")
+
+
 class PlainDistill(DistillStage):
     """Stage 2 with the plain loss: full-batch float32 logits of both models and an unchunked KL."""
 
@@ -403,7 +477,7 @@ def bench_kl_memory(vocab: int = 151_936, hidden_size: int = 1024, tokens: int =
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = ["gdn", "kl_memory", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain"]
+    groups = ["gdn", "kl_memory", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain", "plan"]
     parser.add_argument("groups", nargs="*", default=groups, choices=groups)
     parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
     args = parser.parse_args(argv)
@@ -414,7 +488,9 @@ def main(argv=None) -> None:
         bench_gdn()
     if "kl_memory" in args.groups:
         bench_kl_memory()
-    if set(args.groups) - {"gdn", "kl_memory"}:
+    if "plan" in args.groups:
+        bench_plan(args.override)
+    if set(args.groups) - {"gdn", "kl_memory", "plan"}:
         from hydra import compose, initialize_config_dir
 
         from tcal.app import CONF_DIR

@@ -45,13 +45,20 @@ def expand_kv(weight: torch.Tensor, kv_heads: int, query_heads: int, head_dim: i
     raise ValueError(f"gqa_expansion={mode!r}; expected one of {GQA_EXPANSIONS}")
 
 
-def hybrid_config(teacher, keep_layers) -> HybridConfig:
-    own = teacher_layer_types(teacher.config)
+def hybrid_config(teacher_config, keep_layers) -> HybridConfig:
+    """The student's config: the teacher's, with a GDN in every layer outside `keep_layers`."""
+    own = teacher_layer_types(teacher_config)
     keep = set(validate_keep_layers(keep_layers, len(own)))
     layer_types = [kind if i in keep else LINEAR for i, kind in enumerate(own)]
-    config = HybridConfig(teacher_config=teacher.config.to_dict(), layer_types=layer_types)
-    config._attn_implementation = teacher.config._attn_implementation
+    config = HybridConfig(teacher_config=teacher_config.to_dict(), layer_types=layer_types)
+    config._attn_implementation = teacher_config._attn_implementation
     return config
+
+
+def meta_student(teacher_config, keep_layers, dtype: torch.dtype = torch.float32) -> HybridForCausalLM:
+    """The hybrid student's shapes on the meta device (no weights, no conversion): for counting and planning."""
+    with torch.device("meta"):
+        return HybridForCausalLM(hybrid_config(teacher_config, keep_layers)).to(dtype)
 
 
 @torch.no_grad()
@@ -85,14 +92,26 @@ def naive_gdn(teacher, layer: int, gqa_expansion: str = "whole_head", seed: int 
     return gdn
 
 
+def take_buffers(student, teacher) -> None:
+    """The teacher's buffers, in their own dtype, replace the student's of the same name: `.to(dtype)` cast the
+    student's RoPE frequencies to the weights' dtype, while transformers keeps the teacher's in float32."""
+    own = dict(student.named_buffers())
+    for name, buffer in teacher.named_buffers():
+        if name in own:
+            module_name, _, attr = name.rpartition(".")
+            module = student.get_submodule(module_name)
+            module.register_buffer(attr, buffer.clone(), persistent=attr not in module._non_persistent_buffers_set)
+
+
 def build_student(teacher, keep_layers, gqa_expansion: str = "whole_head", seed: int = 0) -> HybridForCausalLM:
     """The naive hybrid student: a copy of the teacher with GDN mixers outside `keep_layers`."""
     if gqa_expansion not in GQA_EXPANSIONS:
         raise ValueError(f"gqa_expansion={gqa_expansion!r}; expected one of {GQA_EXPANSIONS}")
     adapter = adapter_for(teacher.config)
-    config = hybrid_config(teacher, keep_layers)
+    config = hybrid_config(teacher.config, keep_layers)
     dtype = next(teacher.parameters()).dtype
     student = HybridForCausalLM(config).to(dtype)
+    take_buffers(student, teacher)
     converted = tuple(f"model.layers.{i}.self_attn." for i in config.gdn_layers)
     state = teacher.state_dict()
     kept_state = {k: v for k, v in state.items() if not k.startswith(converted)}

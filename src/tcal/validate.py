@@ -26,6 +26,7 @@ from tcal.errors import ConfigError
 from tcal.init import INIT_MODES
 from tcal.retention import POLICIES, num_kept
 from tcal.settings import is_known, known_keys, leaf_items, leaf_keys, shipped_values, unknown_key_message
+from tcal.teachers import ADAPTERS
 from tcal.teachers.load import _DTYPES, hub_offline, looks_local
 from tcal.training.run import BUDGET_KEYS, stages_of, world_size
 from tcal.training.stages import STAGES
@@ -313,6 +314,7 @@ def check_teacher(cfg) -> None:
     if not any(teacher.get(k) for k in ("path", "gguf_file", "config")):
         raise ConfigError(f"teacher {teacher.name!r} names no weights; expected one of teacher.path (a local model "
                           f"folder or hub id), teacher.gguf_file, teacher.config")
+    check_architecture(teacher)
     if not isinstance(teacher.get("trust_remote_code", False), bool):
         raise ConfigError(f"teacher.trust_remote_code={teacher.trust_remote_code!r}; expected true or false")
     if teacher.get("path"):
@@ -320,6 +322,21 @@ def check_teacher(cfg) -> None:
     tokenizer = teacher.get("tokenizer")
     if tokenizer is not None and tokenizer.get("path"):
         check_pretrained_path("teacher.tokenizer.path", str(tokenizer.path), model=False)
+
+
+ARCHITECTURE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_architecture(teacher) -> None:
+    """`teacher.architecture` (a published config.json, no weights) names a supported family and its sizes."""
+    arch = teacher.get("architecture")
+    if arch is None:
+        return
+    if not OmegaConf.is_dict(arch):
+        raise ConfigError(f"teacher.architecture={arch!r}; expected the keys of the teacher's config.json")
+    one_of("teacher.architecture.model_type", arch.get("model_type"), sorted(ADAPTERS))
+    for key in ARCHITECTURE_SIZES:
+        positive_int(f"teacher.architecture.{key}", arch.get(key))
 
 
 def check_pretrained_path(key: str, path: str, model: bool) -> None:
@@ -374,14 +391,15 @@ def check_seed(cfg) -> None:
 
 
 def configured_shape(cfg) -> tuple[int | None, int | None]:
-    """(layers, context) of the teacher when known without loading it: a config teacher, or a local folder's
-    config.json. (None, None) otherwise (GGUF, hub): checked after loading instead."""
+    """(layers, context) of the teacher when known without loading it: a local folder's config.json, the shipped
+    `architecture` of a paper teacher, or a config teacher. (None, None) otherwise (GGUF, a hub id without an
+    architecture): checked after loading instead."""
     teacher = cfg.teacher
-    if teacher.get("path"):
-        config_file = Path(str(teacher.path)).expanduser() / "config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config_file = Path(str(teacher.path)).expanduser() / "config.json" if teacher.get("path") else None
+    if config_file is not None and config_file.is_file():
+        config = json.loads(config_file.read_text())
     else:
-        config = dict(teacher.get("config") or {})
+        config = dict(teacher.get("architecture") or teacher.get("config") or {})
     return config.get("num_hidden_layers"), config.get("max_position_embeddings")
 
 
@@ -420,6 +438,19 @@ def validate_config(cfg) -> None:
     check_teacher_shape(cfg, *configured_shape(cfg))
     check_setting_types(cfg)  # after the checks that name what each setting expects more precisely
     check_paths(cfg)  # last: it makes the cache folder
+
+
+def validate_plan(cfg) -> None:
+    """What `tcal-plan` needs of a config, none of it about this machine (a plan is made for another one): the
+    settings, budgets and lengths, and the teacher's shape; no GPU, data or hub checks."""
+    one_of("teacher.dtype", cfg.teacher.dtype, sorted(_DTYPES))
+    check_architecture(cfg.teacher)
+    one_of("trainer.accelerator", str(cfg.trainer.accelerator), ACCELERATORS)
+    one_of("trainer.precision", str(cfg.trainer.precision), PRECISIONS)
+    for check in (check_seed, check_init, check_calibration, check_stages):
+        check(cfg)
+    check_retention(cfg, None)
+    check_teacher_shape(cfg, *configured_shape(cfg))
 
 
 def validate_loaded(ctx) -> None:

@@ -1,5 +1,8 @@
 """Loading teachers and tokenizers: a GGUF file shipped in a pip package, a hub id or local folder, or a
-tiny random config for tests. Every path ends in a plain `PreTrainedModel` in eval mode."""
+tiny random config for tests. Every path ends in a plain `PreTrainedModel` in eval mode.
+
+`teacher_architecture` and `meta_model` give a teacher's shape without its weights (planning, parameter counts):
+the paper teachers ship their published config.json as `teacher.architecture`."""
 
 from __future__ import annotations
 
@@ -9,8 +12,10 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from omegaconf import OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 
+from tcal.errors import ConfigError
 from tcal.results import write_folder_atomic
 from tcal.teachers import adapter_for
 
@@ -72,9 +77,13 @@ def _from_pretrained(loader, path: str, trust_remote_code: bool = False, **kwarg
         ) from err
 
 
+def _gguf_folder(cfg, cache_dir: Path) -> Path:
+    return Path(cache_dir) / "teachers" / cfg.name
+
+
 def _gguf_cached(cfg, cache_dir: Path, dtype: torch.dtype) -> Path:
     """Convert the packaged GGUF teacher once into a safetensors folder (dequantized, tokenizer included)."""
-    folder = cache_dir / "teachers" / cfg.name
+    folder = _gguf_folder(cfg, cache_dir)
     if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
         return folder
     gguf = package_file(cfg.package, cfg.gguf_file)
@@ -123,7 +132,7 @@ def load_teacher(cfg, cache_dir: str | Path):
         folder = _gguf_cached(cfg, cache_dir, dtype)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)
     elif cfg.get("config"):
-        config = AutoConfig.for_model(**dict(cfg.config))
+        config = config_from_node(cfg.config)
         adapter_for(config)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.get("seed", 0))
@@ -133,3 +142,40 @@ def load_teacher(cfg, cache_dir: str | Path):
     adapter_for(model.config).check(model)
     model.eval().requires_grad_(False)
     return model, load_tokenizer(cfg, cache_dir)
+
+
+def config_from_node(node) -> PreTrainedConfig:
+    """A transformers config from a YAML node holding config.json keys (`model_type` names the family)."""
+    values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    return AutoConfig.for_model(**values)
+
+
+def teacher_architecture(cfg, cache_dir: str | Path) -> PreTrainedConfig:
+    """The teacher's architecture, without loading its weights: a local `teacher.path` folder's config.json, else
+    the published config.json shipped as `teacher.architecture` (paper teachers), else the random `teacher.config`
+    (tiny teachers), else the packaged GGUF's metadata (its converted folder's config.json once it exists)."""
+    local = Path(str(cfg.path)).expanduser() if cfg.get("path") else None
+    if local is not None and local.is_dir():
+        return _from_pretrained(AutoConfig, str(local), trust_remote_code(cfg))
+    for key in ("architecture", "config"):
+        if cfg.get(key):
+            return config_from_node(cfg[key])
+    if cfg.get("gguf_file"):
+        folder = _gguf_folder(cfg, Path(cache_dir))
+        if (folder / "config.json").is_file():
+            return AutoConfig.from_pretrained(folder)
+        gguf = package_file(cfg.package, cfg.gguf_file)
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    raise ConfigError(f"teacher {cfg.name!r}: teacher.path={cfg.get('path')!r} is a hub id and no architecture ships "
+                      f"with it; pass teacher.path=/local/folder (its config.json is read) or add teacher.architecture")
+
+
+def meta_model(config: PreTrainedConfig, dtype: torch.dtype = torch.float32):
+    """The causal LM of `config` on the meta device: every parameter's shape and dtype, no storage, no init cost."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Distinct parameters (a tied output head counts once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,670 @@
+"""`tcal-plan [overrides] [--json] [--device-gb 80]`: what a run holds per device, from its configs alone.
+
+The overrides are those of `tcal` (an experiment, a teacher, a trainer, `stage.*`, ...). The teacher is built from
+its architecture on the meta device (`teachers.load.teacher_architecture`: a paper teacher's shipped config.json or
+a local folder's; no weights, no data, no GPU), then the student with the retention policy's layers converted.
+
+For calibration, Stage 1 (align) and Stage 2 (distill) the plan adds up, per device (GB = 2^30 bytes):
+
+- weights: the student in the compute dtype (bfloat16 under `bf16-*` precision, else float32);
+- gradients: one per trainable parameter, in the compute dtype;
+- optimizer: AdamW's two moments in float32 and, under mixed precision (`*-mixed`), a float32 master copy of each
+  trainable weight: 12 bytes per trainable parameter (under `*-true`: two moments in the compute dtype). This is
+  DeepSpeed's bf16 optimizer; it assumes the same of Lightning's DDP and FSDP;
+- teacher: frozen, in `teacher.dtype` (Stage 2: `stage.teacher_dtype` when set), whole on every device;
+- buffers: DDP's bucket copy of the gradients; DeepSpeed's reduce and all-gather buckets (Lightning's defaults);
+- activations: what autograd keeps for backward at the configured per-rank batch (`stage.batch_size` x
+  `stage.seq_len`), traced through the real modules on the meta device, with the attention and delta-rule kernels
+  standing in by what the flash (CPU, CUDA) and fla (CUDA) kernels keep; with and without checkpointing;
+- kl: the fused KL of Stage 2 (`training/kd.py`) at its peak.
+
+Strategies (`trainer.strategy`, per stage `trainer.stage_strategy`): `ddp` and single-device runs replicate
+everything; `deepspeed_stage_1` shards the optimizer states over the ranks, `deepspeed_stage_2` also the gradients,
+`deepspeed_stage_3` also the weights; `fsdp` shards all three at rest, but Lightning's default wraps the whole student
+as one unit, so every forward and backward gathers all of its weights and gradients: at the peak only the
+optimizer states are sharded. The peak is the sum of all of them, at the end of a forward: Lightning zeroes the
+gradients between the forward and the backward, so the previous step's are still held. It counts allocated tensors:
+not CUDA's context, nor free memory an allocator keeps (glibc's heap on the CPU, PyTorch's cache on CUDA).
+`tcal-bench plan` checks it against a measured Stage 2. A configuration error prints one line and exits with code 2,
+as `tcal` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import sys
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tcal.errors import ConfigError
+
+GB = 2**30
+DEEPSPEED_BUCKET_ELEMENTS = 200_000_000  # Lightning's DeepSpeedStrategy reduce_bucket_size and allgather_bucket_size
+KL_CHUNK_TENSORS = 3  # [chunk, vocab] float32 tensors alive at once in one chunk of the fused KL (kd.py; tcal-bench kl_memory)
+FLA_CHUNK = 64  # fla's chunk size: its WY matrix A is [B, T, H, 64]
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ------------------------------------------------------------------------------------------------ settings
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Lightning's `trainer.precision` as the plan counts it: the compute dtype, and whether trainable weights keep
+    a float32 master copy (mixed precision)."""
+
+    name: str
+    compute: torch.dtype
+    mixed: bool
+
+    ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true",
+               "transformer-engine": "bf16-mixed", "transformer-engine-float16": "16-mixed"}
+    DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
+
+    @classmethod
+    def parse(cls, name) -> "Precision":
+        bits, _, mode = cls.ALIASES.get(str(name), str(name)).partition("-")
+        return cls(str(name), cls.DTYPES[bits], mode == "mixed")
+
+    @property
+    def weight_bytes(self) -> int:
+        return dtype_bytes(self.compute)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """AdamW per trainable parameter: two float32 moments and a float32 master weight when mixed."""
+        return 12 if self.mixed else 2 * self.weight_bytes
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What a training strategy spreads over the ranks at the step's peak (see the module docstring)."""
+
+    name: str
+    shards_optimizer: bool = False
+    shards_gradients: bool = False
+    shards_weights: bool = False
+    note: str = ""
+
+    @classmethod
+    def parse(cls, name) -> "Strategy":
+        name = str(name)
+        if name.startswith("deepspeed"):
+            stage = int(name[-1]) if name[-1].isdigit() else 2
+            return cls(name, True, stage >= 2, stage >= 3)
+        if name.startswith("fsdp"):
+            return cls(name, True, note="one FSDP unit (Lightning's default auto_wrap_policy=None): forward and "
+                                        "backward gather all student weights and gradients; wrap per decoder layer "
+                                        "to shard them")
+        return cls(name)
+
+    def buffers(self, trainable: int, precision: Precision, world: int) -> int:
+        """Communication buffers: DDP's bucket copy of the gradients, DeepSpeed's reduce and all-gather buckets."""
+        if self.name.startswith("ddp") or (self.name == "auto" and world > 1):
+            return trainable * precision.weight_bytes
+        if self.name.startswith("deepspeed"):
+            return 2 * min(DEEPSPEED_BUCKET_ELEMENTS, trainable) * precision.weight_bytes
+        return 0
+
+
+# ------------------------------------------------------------------------------------------------ tracing
+
+
+class _FlashAttention(torch.autograd.Function):
+    """What SDPA's flash kernels keep for backward, on the CPU and on CUDA: q, k and v (KV heads not expanded), the
+    output (laid out [B, T, H, d], so the caller's transpose back needs no copy), and a float32 log-sum-exp per
+    query. Stands in for SDPA on the meta device, where the math fallback would keep the [T, T] weights."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        batch, heads, length, _ = query.shape
+        out = query.new_empty(batch, length, heads, value.shape[-1]).transpose(1, 2)
+        ctx.save_for_backward(query, key, value, out, query.new_empty(query.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the plan never runs backward
+        raise NotImplementedError
+
+
+def _flash_attention(query, key, value, *args, **kwargs):
+    return _FlashAttention.apply(query, key, value)
+
+
+class _FlaChunk(torch.autograd.Function):
+    """What fla's chunked gated delta rule (`chunk_gated_delta_rule`, CUDA) keeps for backward: q, k, v, beta, the
+    chunk-local cumulative decay and the WY matrix A [B, T, H, 64]; it recomputes the rest."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta):
+        B, T, H, _ = q.shape
+        ctx.save_for_backward(q, k, v, beta, g.new_empty(g.shape, dtype=torch.float32),
+                              k.new_empty(B, T, H, FLA_CHUNK))
+        return q.new_empty(B, T, H, v.shape[-1], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover
+        raise NotImplementedError
+
+
+def _fla_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False):
+    return _FlaChunk.apply(q, k, v, g, beta), None
+
+
+@contextlib.contextmanager
+def kernels_of(device_type: str, on_meta: bool):
+    """On the meta device, the fused kernels of `device_type` ("cpu" or "cuda") stand in: flash attention for SDPA,
+    and on CUDA fla's chunk kernel for the delta rule (the CPU path is plain torch and is traced as it is). Real
+    tensors run the real kernels."""
+    import tcal.gdn
+
+    with contextlib.ExitStack() as stack:
+        if on_meta:
+            stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention", _flash_attention))
+        if on_meta and device_type == "cuda":
+            stack.enter_context(mock.patch.object(tcal.gdn, "gated_delta_rule", _fla_chunk))
+        yield
+
+
+class SavedTensors:
+    """The storages autograd keeps for backward while recording and still holds when the block ends (the caller
+    keeps the block's outputs alive: a branch whose output is dropped frees what it saved), each counted once,
+    split by whether they were first saved inside `inner` (a submodule, e.g. a GDN mixer) or elsewhere. `skip`
+    storages (parameters, shared rotary tables) are not counted."""
+
+    def __init__(self, skip=(), inner: torch.nn.Module | None = None):
+        self.skip = {t.untyped_storage()._cdata for t in skip}
+        self._seen: dict[int, tuple[StorageWeakRef, int, bool]] = {}
+        self._depth = 0
+        self.inside_bytes = self.outside_bytes = 0
+        self._handles = [] if inner is None else [
+            inner.register_forward_pre_hook(lambda *_: self._enter(1)),
+            inner.register_forward_hook(lambda *_: self._enter(-1)),
+        ]
+
+    def _enter(self, step: int) -> None:
+        self._depth += step
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        held = self._seen.get(key)
+        if key not in self.skip and (held is None or held[0].expired()):  # an expired key's address was reused
+            self._seen[key] = (StorageWeakRef(storage), storage.nbytes(), self._depth > 0)
+        return tensor.detach()  # the tensor itself would tie a saved output to its own node in a reference cycle
+
+    @contextlib.contextmanager
+    def recording(self):
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield self
+            alive = [(size, inside) for ref, size, inside in self._seen.values() if not ref.expired()]
+            self.inside_bytes = sum(size for size, inside in alive if inside)
+            self.outside_bytes = sum(size for size, inside in alive if not inside)
+        finally:
+            for handle in self._handles:
+                handle.remove()
+
+
+@dataclass
+class LayerTrace:
+    """Bytes one decoder layer keeps for backward at a batch: a kept softmax layer, and a GDN layer split into its
+    mixer (the GDN itself, input included) and the rest (norms, MLP, residual stream)."""
+
+    kept: int
+    gdn_mixer: int
+    gdn_rest: int
+    final_norm: int
+    hidden: int  # one [B, T, D] hidden state in the compute dtype (a layer's input, or a mixer's)
+
+
+def trace_decoder(student, batch: int, seq_len: int, device_type: str) -> LayerTrace:
+    """Trace one kept and one GDN decoder layer of `student` (meta device, or real tensors) in training mode."""
+    model = student.get_decoder()
+    config = student.config
+    first = next(student.parameters())
+    params = list(student.parameters())
+    x = torch.randn(batch, seq_len, config.hidden_size, dtype=first.dtype, device=first.device, requires_grad=True)
+    position_embeddings = model.rotary_emb(x, torch.arange(seq_len, device=first.device)[None])
+    shared = [*params, *position_embeddings]
+
+    def layer_bytes(index: int | None) -> SavedTensors:
+        if index is None:
+            return SavedTensors()
+        layer = model.layers[index]
+        inner = layer.self_attn if index in config.gdn_layers else None
+        with kernels_of(device_type, x.is_meta), SavedTensors(shared, inner).recording() as saved:
+            out = layer(x, attention_mask=None, position_embeddings=position_embeddings, use_cache=False)
+        del out
+        return saved
+
+    kept = layer_bytes(config.keep_layers[0])
+    gdn = layer_bytes(config.gdn_layers[0] if config.gdn_layers else None)
+    with SavedTensors(shared).recording() as norm:
+        out = model.norm(x)
+    del out
+    return LayerTrace(kept.outside_bytes, gdn.inside_bytes, gdn.outside_bytes, norm.outside_bytes,
+                      x.numel() * x.element_size())
+
+
+def trace_alignment(gdn, batch: int, seq_len: int, input_dtype: torch.dtype, device_type: str) -> tuple[int, int]:
+    """(bytes inside the mixer, bytes outside it) kept for backward by Phase 2's / Stage 1's alignment loss of one
+    GDN (meta device, or real tensors) on teacher-forced inputs of `input_dtype` (the inputs are not counted)."""
+    from tcal.calibration.align import alignment_loss
+
+    device = next(gdn.parameters()).device
+    x, target = (torch.randn(batch, seq_len, gdn.hidden_size, dtype=input_dtype, device=device) for _ in range(2))
+    with kernels_of(device_type, x.is_meta), SavedTensors([*gdn.parameters(), x, target], gdn).recording() as saved:
+        loss = alignment_loss(gdn, x, target)
+    del loss
+    return saved.inside_bytes, saved.outside_bytes
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+
+@dataclass
+class Model:
+    """The teacher's and the student's shapes (meta device) and the facts the plan reads from them."""
+
+    teacher_config: object
+    teacher_params: int
+    student: torch.nn.Module
+    student_params: int
+    keep_layers: list[int]
+    gdn_params: int  # all GDN mixers together
+
+    @property
+    def hidden_size(self) -> int:
+        return self.teacher_config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.teacher_config.vocab_size
+
+
+def build_model(cfg, keep_layers: list[int]) -> Model:
+    from tcal.convert import meta_student
+    from tcal.teachers.load import meta_model, parameter_count, teacher_architecture
+
+    config = teacher_architecture(cfg.teacher, cfg.paths.cache_dir)
+    teacher = meta_model(config)
+    student = meta_student(config, keep_layers)
+    gdn = sum(p.numel() for i in student.config.gdn_layers for p in student.gdn(i).parameters())
+    return Model(config, parameter_count(teacher), student, parameter_count(student), keep_layers, gdn)
+
+
+def retention_plan(cfg, num_layers: int) -> dict:
+    """The kept layers: computed for `uniform` and `explicit`; for scored policies only their count is known
+    before the real teacher is scored (the plan counts them at uniform positions: every layer has the same size)."""
+    from tcal.retention import num_kept
+    from tcal.retention.uniform import uniform_layers
+
+    ret = cfg.retention
+    if ret.name == "explicit":
+        keep = sorted(int(i) for i in ret.keep)
+        return {"policy": "explicit", "keep_layers": keep, "kept": len(keep), "scored": False}
+    plan = {"policy": ret.name, "ratio": float(ret.ratio), "kept": num_kept(ret.ratio, num_layers)}
+    if ret.name == "uniform":
+        return {**plan, "keep_layers": uniform_layers(num_layers, ret.ratio), "scored": False}
+    return {**plan, "keep_layers": None, "scored": True,
+            "note": f"{ret.name} chooses the {plan['kept']} kept layers by scoring the real teacher"}
+
+
+@dataclass
+class StageMemory:
+    """One stage's per-device bytes; `activations` maps each checkpointing setting to its bytes."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    teacher: int
+    buffers: int
+    activations: dict[str, int]
+    checkpointing: str  # the configured setting: none, checkpoint_mixers, activation_checkpointing
+    kl: int = 0
+    settings: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        """Everything at the end of a forward: Lightning zeroes the gradients between the forward and the backward,
+        so the previous step's are still held then."""
+        return (self.weights + self.gradients + self.optimizer + self.teacher + self.buffers
+                + self.activations[self.checkpointing] + self.kl)
+
+    def as_dict(self, device_gb: float) -> dict:
+        gb = lambda b: round(b / GB, 2)  # noqa: E731
+        return {**self.settings, "weights_gb": gb(self.weights), "gradients_gb": gb(self.gradients),
+                "optimizer_gb": gb(self.optimizer), "teacher_gb": gb(self.teacher), "buffers_gb": gb(self.buffers),
+                "activations_gb": gb(self.activations[self.checkpointing]), "checkpointing": self.checkpointing,
+                "activations_gb_by_checkpointing": {k: gb(v) for k, v in self.activations.items()},
+                "kl_gb": gb(self.kl), "peak_gb": gb(self.peak), "fits": self.peak <= device_gb * GB,
+                "notes": self.notes}
+
+
+def checkpointing_of(node) -> str:
+    if node.get("activation_checkpointing", False):
+        return "activation_checkpointing"
+    return "checkpoint_mixers" if node.get("checkpoint_mixers", False) else "none"
+
+
+def decoder_activations(trace: LayerTrace, n_kept: int, n_gdn: int) -> dict[str, int]:
+    """Stage 2's student activations for each checkpointing setting. A checkpointed mixer keeps only its input and
+    recomputes the rest during backward (one mixer at a time); a checkpointed decoder layer keeps only its input
+    and recomputes one whole layer at a time."""
+    gdn_plain = trace.gdn_mixer + trace.gdn_rest
+    gdn_mixers = trace.hidden + trace.gdn_rest
+    mixer_recompute = (trace.gdn_mixer - trace.hidden) if n_gdn else 0
+    none = n_kept * trace.kept + n_gdn * gdn_plain + trace.final_norm
+    mixers = n_kept * trace.kept + n_gdn * gdn_mixers + trace.final_norm + mixer_recompute
+    recompute = max(trace.kept, gdn_plain if n_gdn else 0)
+    layers = (n_kept + n_gdn) * trace.hidden + trace.final_norm + recompute
+    return {"none": none, "checkpoint_mixers": mixers, "activation_checkpointing": layers}
+
+
+def kl_bytes(tokens: int, hidden: int, vocab: int, chunk: int, student_dtype, teacher_dtype) -> int:
+    """The fused KL's peak (`training/kd.py`): the gradient of the student head [V, D] (float32 at most; the heads
+    themselves are used in their own dtype, never copied), both models' final hidden states with their row copies
+    and the float32 gradient of the student's, and KL_CHUNK_TENSORS [chunk, V] float32 tensors of one chunk."""
+    s, t = dtype_bytes(student_dtype), dtype_bytes(teacher_dtype)
+    hidden_states = tokens * hidden * (2 * s + 2 * t + 4)
+    return vocab * hidden * 4 + hidden_states + KL_CHUNK_TENSORS * min(chunk, tokens) * vocab * 4
+
+
+def stage_memory(kind: str, node, cfg, model: Model, world: int, device_type: str) -> StageMemory:
+    """Per-device memory of Stage 1 (`align`) or Stage 2 (`distill`) under the run's trainer."""
+    trainer = cfg.trainer
+    precision = Precision.parse(trainer.precision)
+    strategy = Strategy.parse((trainer.get("stage_strategy") or {}).get(kind, trainer.strategy))
+    teacher_dtype_name = (node.get("teacher_dtype") if kind == "distill" else None) or cfg.teacher.dtype
+    teacher_dtype = getattr(torch, str(teacher_dtype_name))
+    w = precision.weight_bytes
+    student = model.student.to(precision.compute).train()
+    trainable = model.student_params if kind == "distill" else model.gdn_params
+    student.requires_grad_(kind == "distill")
+    for i in student.config.gdn_layers:
+        student.gdn(i).requires_grad_(True)
+    batch, seq_len = int(node.batch_size), int(node.seq_len)
+    n_gdn = len(student.config.gdn_layers)
+    if kind == "distill":
+        trace = trace_decoder(student, batch, seq_len, device_type)
+        activations = decoder_activations(trace, len(student.config.keep_layers), n_gdn)
+        kl = kl_bytes(batch * seq_len, model.hidden_size, model.vocab_size, int(node.kl_chunk_size),
+                      precision.compute, teacher_dtype)
+    else:
+        mixer, loss = trace_alignment(student.gdn(student.config.gdn_layers[0]), batch, seq_len, precision.compute,
+                                      device_type) if n_gdn else (0, 0)
+        captured = 2 * n_gdn * batch * seq_len * model.hidden_size * dtype_bytes(teacher_dtype)
+        activations = {"none": captured + n_gdn * (mixer + loss), "checkpoint_mixers": captured + n_gdn * loss + mixer}
+        kl = 0
+    tokens_per_step = batch * seq_len * world
+    notes = [strategy.note] if strategy.note else []
+    checkpointing = checkpointing_of(node)
+    if kind == "align":
+        checkpointing = "checkpoint_mixers" if node.get("checkpoint_mixers", False) else "none"
+        notes.append("activations: the teacher's captured GDN inputs and attention outputs, and every GDN's "
+                     "alignment loss (activation_checkpointing does not apply: the student's decoder does not run)")
+    return StageMemory(
+        weights=model.student_params * w // (world if strategy.shards_weights else 1),
+        gradients=trainable * w // (world if strategy.shards_gradients else 1),
+        optimizer=trainable * precision.optimizer_bytes // (world if strategy.shards_optimizer else 1),
+        teacher=model.teacher_params * dtype_bytes(teacher_dtype),
+        buffers=strategy.buffers(trainable, precision, world),
+        activations=activations, checkpointing=checkpointing, kl=kl, notes=notes,
+        settings={"strategy": strategy.name, "precision": precision.name, "world_size": world,
+                  "batch_per_rank": [batch, seq_len], "tokens_per_step": tokens_per_step,
+                  "steps": int(node.max_tokens) // tokens_per_step, "trainable_params": trainable,
+                  "teacher_dtype": str(teacher_dtype_name)})
+
+
+@dataclass(frozen=True)
+class CalibrationWork:
+    """The windows an init mode calibrates on: those of the statistics (host memory), of its teacher forward, of its
+    Phase 2 tensors on the device and of one Phase 2 step; and how many layers' statistics are held at once."""
+
+    seq_len: int
+    stats_windows: int
+    forward_windows: int
+    device_windows: int
+    step_windows: int
+    phase2: bool
+    layers_at_once: int
+
+
+def calibration_work(cfg, n_gdn: int) -> CalibrationWork | None:
+    """`init=full_plus`: its pool (`init.pool`, `init.phase2.batch_size`); `phase1` / `phase2` / `full`: the
+    calibration batch and its held-out check windows (`calibration.*`); None for inits that do not calibrate."""
+    init, cal = cfg.init, cfg.calibration
+    if init.name == "full_plus":
+        pool = init.pool
+        windows = int(pool.windows)
+        return CalibrationWork(int(pool.seq_len), windows, windows - windows // int(pool.held_out_every), windows,
+                               int(init.phase2.batch_size), True, int(pool.get("layers_per_pass") or n_gdn))
+    phases = list(init.get("phases") or [])
+    if not phases:
+        return None
+    windows = int(cal.batch_size)
+    check = windows - 1 if cal.check and windows > 1 else 0
+    return CalibrationWork(int(cal.seq_len), windows + check, windows, windows, windows, "phase2" in phases, n_gdn)
+
+
+def calibration_memory(cfg, model: Model, device_type: str) -> StageMemory:
+    """Per-device memory of the init: teacher and student in `teacher.dtype`, and the larger of the teacher's
+    statistics forward (an estimate: one layer's MLP and residual tensors and the blockwise attention scores) and
+    Phase 2 of one layer (its teacher-forced tensors on the device, the layer trained in float32 with AdamW and a
+    best-state copy, its activations). The statistics are held in host memory (`host_gb`)."""
+    from tcal.convert import meta_student
+
+    config = model.teacher_config
+    teacher_bytes = dtype_bytes(getattr(torch, str(cfg.teacher.dtype)))
+    gdn_layers = model.student.config.gdn_layers
+    work = calibration_work(cfg, len(gdn_layers)) if gdn_layers else None
+    host = forward = phase2 = 0
+    if work is not None:
+        D = model.hidden_size
+        query_width = model.student.gdn(gdn_layers[0]).num_heads * model.student.gdn(gdn_layers[0]).head_dim
+        host = work.stats_windows * work.seq_len * (2 * D + query_width) * 4 * work.layers_at_once
+        tokens = work.forward_windows * work.seq_len
+        forward = (tokens * (3 * config.intermediate_size + 4 * D) * teacher_bytes
+                   + 2 * work.forward_windows * config.num_attention_heads
+                   * min(int(cfg.calibration.block_size), work.seq_len) * work.seq_len * 4)
+    if work is not None and work.phase2:
+        gdn = meta_student(config, model.keep_layers).gdn(gdn_layers[0]).train()
+        mixer, loss = trace_alignment(gdn, work.step_windows, work.seq_len, torch.float32, device_type)
+        layer_params = sum(p.numel() for p in gdn.parameters())
+        phase2 = (2 * work.device_windows * work.seq_len * model.hidden_size * 4
+                  + layer_params * (4 + 4 + 8 + 4) + mixer + loss)
+    memory = StageMemory(weights=model.student_params * teacher_bytes, gradients=0, optimizer=0,
+                         teacher=model.teacher_params * teacher_bytes, buffers=0,
+                         activations={"none": max(forward, phase2)}, checkpointing="none",
+                         settings={"init": cfg.init.name, "teacher_dtype": str(cfg.teacher.dtype),
+                                   "calibration_tokens": work.stats_windows * work.seq_len if work else 0,
+                                   "host_gb": round(host / GB, 2)})
+    memory.notes.append("activations: the larger of the teacher's statistics forward and one layer's Phase 2")
+    if cfg.retention.name in ("ar", "ga_s2"):
+        memory.notes.append(f"retention={cfg.retention.name} first scores the layers on the real teacher (not planned)")
+    return memory
+
+
+def make_plan(cfg, device_gb: float = 80.0) -> dict:
+    """The plan of a composed `tcal` config (see the module docstring) as one JSON-ready object."""
+    from tcal.retention.uniform import uniform_layers
+    from tcal.teachers.load import teacher_architecture
+    from tcal.training.run import stages_of, world_size
+    from tcal.validate import validate_plan
+
+    validate_plan(cfg)
+    num_layers = teacher_architecture(cfg.teacher, cfg.paths.cache_dir).num_hidden_layers
+    retention = retention_plan(cfg, num_layers)
+    keep = retention["keep_layers"] or uniform_layers(num_layers, retention["ratio"])
+    model = build_model(cfg, keep)
+    device_type = "cpu" if str(cfg.trainer.accelerator) == "cpu" else "cuda"
+    world = world_size(cfg.trainer)
+    stages = {"calibration": calibration_memory(cfg, model, device_type)}
+    stages.update({kind: stage_memory(kind, node, cfg, model, world, device_type)
+                   for kind, node, _ in stages_of(cfg.stage)})
+    per_device = {kind: round(stages[kind].peak / GB, 2) if kind in stages else None
+                  for kind in ("calibration", "align", "distill")}
+    notes = []
+    if str(cfg.trainer.get("devices")) in ("-1", "auto") and str(cfg.trainer.accelerator) != "cpu":
+        notes.append(f"trainer.devices={cfg.trainer.devices} counts the GPUs visible here ({world} counted); "
+                     f"pass trainer.devices=N for the node's")
+    return {
+        "teacher": cfg.teacher.name, "model_type": model.teacher_config.model_type,
+        "teacher_params": model.teacher_params, "student_params": model.student_params,
+        "gdn_params": model.gdn_params, "num_layers": num_layers,
+        "retention": {**retention, "converted": num_layers - retention["kept"]},
+        "trainer": {"accelerator": str(cfg.trainer.accelerator), "devices": world, "precision": str(cfg.trainer.precision),
+                    "kernels": "fla + flash (CUDA)" if device_type == "cuda" else "torch chunk + flash (CPU)"},
+        "device_gb": device_gb, "per_device_gb": per_device,
+        "fits": all(stage.peak <= device_gb * GB for stage in stages.values()),
+        "stages": {kind: stage.as_dict(device_gb) for kind, stage in stages.items()},
+        "notes": notes,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+ROWS = (  # (label, key in a stage's dict)
+    ("init", "init"), ("strategy", "strategy"), ("precision", "precision"), ("batch per rank", "batch_per_rank"),
+    ("tokens per step", "tokens_per_step"), ("steps", "steps"), ("weights GB", "weights_gb"),
+    ("gradients GB", "gradients_gb"), ("optimizer GB", "optimizer_gb"), ("teacher GB", "teacher_gb"),
+    ("buffers GB", "buffers_gb"), ("activations GB", "activations_gb"), ("kl GB", "kl_gb"), ("peak GB", "peak_gb"),
+    ("fits", "fits"),
+)
+
+
+def _cell(value) -> str:
+    if isinstance(value, list):
+        return " x ".join(str(v) for v in value)
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return "-" if value is None else str(value)
+
+
+def format_plan(plan: dict, label: str) -> str:
+    ret = plan["retention"]
+    kept = ret["keep_layers"] if ret["keep_layers"] is not None else f"({ret['note']})"
+    lines = [f"tcal-plan {label}",
+             f"teacher  {plan['teacher']} ({plan['model_type']}, {plan['num_layers']} layers): "
+             f"{plan['teacher_params']:,} parameters",
+             f"student  {plan['student_params']:,} parameters: {ret['kept']} softmax layers kept, "
+             f"{ret['converted']} converted to Gated DeltaNet ({plan['gdn_params']:,} GDN parameters)",
+             f"retention {ret['policy']}: keep {kept}",
+             f"trainer  {plan['trainer']['devices']} x {plan['trainer']['accelerator']}, "
+             f"{plan['trainer']['precision']}, kernels {plan['trainer']['kernels']}; fits {plan['device_gb']:g} GB "
+             f"per device: {_cell(plan['fits'])}", ""]
+    stages = [k for k in ("calibration", "align", "distill") if k in plan["stages"]]
+    rows = [["", *stages]]
+    for name, key in ROWS:
+        rows.append([name, *(_cell(plan["stages"][k].get(key)) for k in stages)])
+    for setting in ("none", "checkpoint_mixers", "activation_checkpointing"):
+        rows.append([f"  activations, {setting}",
+                     *(_cell(plan["stages"][k]["activations_gb_by_checkpointing"].get(setting)) for k in stages)])
+    cal = plan["stages"]["calibration"]
+    rows.append(["host GB (statistics)", _cell(cal["host_gb"]), *([""] * (len(stages) - 1))])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    for kind in stages:
+        lines += [f"note ({kind}): {n}" for n in plan["stages"][kind]["notes"]]
+    lines += [f"note: {n}" for n in plan["notes"]]
+    return "\n".join(lines)
+
+
+def markdown_table(plans: list[tuple[str, dict]]) -> str:
+    """One row per plan: parameter counts and per-device peaks (GB), the distill activations by checkpointing."""
+    head = ("| run | teacher params | student params | converted | calibration GB | align GB | distill GB | "
+            "distill activations GB (none / mixers / layers) | tokens per step (align, distill) | fits |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for label, plan in plans:
+        stages, per = plan["stages"], plan["per_device_gb"]
+        distill = stages.get("distill", {}).get("activations_gb_by_checkpointing", {})
+        acts = " / ".join(_cell(distill.get(k)) for k in ("none", "checkpoint_mixers", "activation_checkpointing"))
+        tokens = ", ".join(_cell(stages[k]["tokens_per_step"]) if k in stages else "-" for k in ("align", "distill"))
+        lines.append(f"| {label} | {plan['teacher_params'] / 1e9:.2f}B | {plan['student_params'] / 1e9:.2f}B | "
+                     f"{plan['retention']['converted']} of {plan['num_layers']} | {_cell(per['calibration'])} | "
+                     f"{_cell(per['align'])} | {_cell(per['distill'])} | {acts} | {tokens} | {_cell(plan['fits'])} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ entry
+
+
+def compose_config(overrides: list[str]):
+    """The `tcal` config of `overrides`, composed by Hydra from the app's conf/; a bad override is a ConfigError."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from tcal.app import CONF_DIR, check_group_overrides
+
+    check_group_overrides(overrides)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose("config", overrides=overrides)
+        OmegaConf.resolve(cfg)
+        return cfg
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(" ".join(str(err).split())) from err
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def expand_sweeps(overrides: list[str]) -> list[list[str]]:
+    """`group=a,b` arguments of config groups expand into one override list per combination (as `tcal -m`)."""
+    from tcal.app import group_options
+
+    choices = []
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        sweep = sep and "," in value and group_options(key.lstrip("+~")) is not None
+        choices.append([f"{key}={v}" for v in value.split(",")] if sweep else [arg])
+    return [list(combo) for combo in itertools.product(*choices)]
+
+
+def label_of(overrides: list[str]) -> str:
+    return " ".join(overrides) or "(defaults)"
+
+
+def main(argv=None) -> None:
+    """The `tcal-plan` console script."""
+    from tcal.app import config_error_exit
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for tcal (group=a,b plans each)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per plan")
+    parser.add_argument("--markdown", action="store_true", help="one markdown table row per plan")
+    parser.add_argument("--device-gb", type=float, default=80.0, help="memory of one device (default 80)")
+    args = parser.parse_args(argv)
+    try:
+        runs = [(label_of(o), make_plan(compose_config(o), args.device_gb)) for o in expand_sweeps(args.overrides)]
+    except ConfigError as err:
+        config_error_exit(err)
+    if args.json:
+        for label, plan in runs:
+            print(json.dumps({"run": label, **plan}), flush=True)
+    elif args.markdown:
+        print(markdown_table(runs), flush=True)
+    else:
+        print("\n\n".join(format_plan(plan, label) for label, plan in runs), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

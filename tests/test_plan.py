@@ -1,0 +1,203 @@
+"""The paper teachers' shipped architectures and `tcal-plan`: whole models on the meta device against the published
+sizes, the activation trace against the tensors autograd really keeps, the strategies' sharding, and configuration
+errors as one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import compose, make_teacher
+
+from tcal.convert import build_student, meta_student
+from tcal.errors import ConfigError
+from tcal.plan import (
+    SavedTensors,
+    build_model,
+    compose_config,
+    main,
+    make_plan,
+    stage_memory,
+    trace_alignment,
+    trace_decoder,
+)
+from tcal.retention.uniform import uniform_layers
+from tcal.teachers.load import meta_model, parameter_count, teacher_architecture
+from tcal.training.run import world_size
+
+# Parameter counts published with the paper teachers (model cards).
+PUBLISHED = {"qwen2_5_1_5b": 1.54e9, "qwen2_5_3b": 3.09e9, "llama3_2_3b": 3.21e9, "qwen3_8b": 8.19e9}
+PAPER_EXPERIMENTS = {teacher: f"{teacher}_uniform_r025_align_distill" for teacher in PUBLISHED}
+
+
+def architecture(*overrides: str):
+    cfg = compose(*overrides)
+    return teacher_architecture(cfg.teacher, cfg.paths.cache_dir)
+
+
+@pytest.mark.parametrize("teacher", PUBLISHED)
+def test_paper_teacher_built_on_meta_has_its_published_size(teacher):
+    model = meta_model(architecture(f"teacher={teacher}"))
+    assert all(p.is_meta for p in model.parameters())
+    assert parameter_count(model) == pytest.approx(PUBLISHED[teacher], rel=0.01)
+
+
+@pytest.mark.parametrize("teacher", PUBLISHED)
+def test_paper_teacher_has_its_family_features(teacher):
+    config = architecture(f"teacher={teacher}")
+    attention = meta_model(config).model.layers[0].self_attn
+    family = config.model_type
+    assert (attention.q_proj.bias is not None) == (family == "qwen2")  # Qwen2.5: q/k/v biases
+    assert hasattr(attention, "q_norm") == (family == "qwen3")  # Qwen3: per-head q/k norms
+    assert config.num_attention_heads % config.num_key_value_heads == 0 < config.num_key_value_heads
+    assert (config.rope_parameters["rope_type"] == "llama3") == (family == "llama")  # Llama-3.2: llama3 scaling
+    assert config.tie_word_embeddings == (teacher != "qwen3_8b")
+
+
+@pytest.mark.parametrize("teacher", PUBLISHED)
+def test_student_on_meta_trades_converted_attention_for_gdn(teacher):
+    config = architecture(f"teacher={teacher}")
+    keep = uniform_layers(config.num_hidden_layers, 0.5)
+    converted = config.num_hidden_layers - len(keep)
+    teacher_model, student = meta_model(config), meta_student(config, keep)
+    heads, head_dim, width = config.num_attention_heads, student.gdn(student.config.gdn_layers[0]).head_dim, \
+        config.hidden_size
+    attention = parameter_count(teacher_model.model.layers[0].self_attn)
+    gdn = 5 * width * heads * head_dim + 2 * width * heads + 2 * heads + head_dim  # q k v g o; a b; A, dt; o_norm
+    assert parameter_count(student) == parameter_count(teacher_model) + converted * (gdn - attention)
+    assert (student.lm_head.weight is student.model.embed_tokens.weight) == config.tie_word_embeddings
+
+
+def test_local_folder_config_takes_the_place_of_the_shipped_architecture(tmp_path):
+    make_teacher("qwen2").config.save_pretrained(tmp_path)
+    config = architecture("teacher=qwen2_5_1_5b", f"teacher.path={tmp_path}")
+    assert (config.model_type, config.hidden_size) == ("qwen2", 64)
+
+
+def test_a_hub_teacher_without_an_architecture_cannot_be_planned():
+    cfg = compose("teacher=qwen2_5_1_5b", "~teacher.architecture")
+    with pytest.raises(ConfigError, match="is a hub id and no architecture ships with it"):
+        teacher_architecture(cfg.teacher, cfg.paths.cache_dir)
+
+
+@pytest.mark.parametrize("teacher", PUBLISHED)
+def test_paper_experiment_plan_json(teacher, capsys):
+    main([f"experiment={PAPER_EXPERIMENTS[teacher]}", "--json"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    plan = json.loads(lines[0])
+    assert plan["teacher_params"] == pytest.approx(PUBLISHED[teacher], rel=0.01)
+    assert plan["student_params"] > plan["teacher_params"]  # GDN mixers project to every query head
+    assert plan["retention"]["converted"] == plan["num_layers"] - round(0.25 * plan["num_layers"])
+    for kind in ("calibration", "align", "distill"):
+        stage = plan["stages"][kind]
+        assert plan["per_device_gb"][kind] == stage["peak_gb"] > stage["teacher_gb"] > 0
+    assert plan["fits"] == all(s["fits"] for s in plan["stages"].values())
+    assert plan["stages"]["distill"]["world_size"] == 8
+    assert plan["stages"]["distill"]["tokens_per_step"] == 4 * 4096 * 8  # the paper's global Stage 2 batch
+
+
+def test_plan_text_names_every_stage_and_the_converted_layers(capsys):
+    main([f"experiment={PAPER_EXPERIMENTS['qwen2_5_1_5b']}"])
+    out = capsys.readouterr().out
+    assert "keep [0, 4, 8, 12, 16, 20, 24]" in out and "21 converted to Gated DeltaNet" in out
+    for word in ("calibration", "align", "distill", "deepspeed_stage_1", "deepspeed_stage_2", "peak GB", "fits"):
+        assert word in out
+
+
+TINY_DISTILL = ["teacher=tiny_llama", "stage=distill", "stage.batch_size=2", "stage.seq_len=128", "stage.max_tokens=4096",
+                "stage.eval_every_tokens=1024"]
+
+
+def tiny_plan(*overrides, device_gb: float = 80.0) -> dict:
+    return make_plan(compose_config([*TINY_DISTILL, *overrides]), device_gb)
+
+
+def distill_memory(*overrides):
+    """Stage 2's per-device bytes on the tiny teacher (two of four layers kept)."""
+    cfg = compose_config([*TINY_DISTILL, *overrides])
+    return stage_memory("distill", cfg.stage, cfg, build_model(cfg, [0, 2]), world_size(cfg.trainer), "cuda")
+
+
+def test_strategies_shard_what_they_say():
+    ddp = distill_memory("trainer=ddp", "trainer.devices=8", "trainer.precision=bf16-mixed")
+    ds1, ds2, ds3 = (distill_memory("trainer=deepspeed", "trainer.devices=8",
+                                    f"trainer.stage_strategy.distill=deepspeed_stage_{n}") for n in (1, 2, 3))
+    fsdp = distill_memory("trainer=fsdp", "trainer.devices=8")
+    assert ds1.optimizer == ddp.optimizer // 8 and ds1.gradients == ddp.gradients and ds1.weights == ddp.weights
+    assert ds2.optimizer == ds1.optimizer and ds2.gradients == ds1.gradients // 8 and ds2.weights == ds1.weights
+    assert ds3.weights == ds1.weights // 8
+    assert ddp.buffers == ddp.gradients  # DDP's bucket copy of the gradients
+    assert (fsdp.weights, fsdp.gradients, fsdp.optimizer) == (ds1.weights, ds1.gradients, ds1.optimizer)
+    assert any("one FSDP unit" in note for note in fsdp.notes)
+    assert ddp.teacher == ds2.teacher == fsdp.teacher  # the frozen teacher is whole on every device
+
+
+def test_optimizer_and_weight_bytes_follow_the_precision():
+    fp32, mixed = (distill_memory(f"trainer.precision={p}") for p in ("32-true", "bf16-mixed"))
+    trainable = fp32.settings["trainable_params"]
+    assert (fp32.optimizer, mixed.optimizer) == (8 * trainable, 12 * trainable)  # + a float32 master when mixed
+    assert (fp32.gradients, mixed.gradients) == (4 * trainable, 2 * trainable)
+    assert mixed.weights * 2 == fp32.weights
+
+
+def test_checkpointing_lowers_the_activations_and_the_configured_one_counts():
+    plan = tiny_plan("stage.seq_len=1024", "stage.max_tokens=8192", "stage.eval_every_tokens=2048",
+                     "stage.checkpoint_mixers=false")["stages"]["distill"]
+    acts = plan["activations_gb_by_checkpointing"]
+    assert acts["none"] > acts["checkpoint_mixers"] > acts["activation_checkpointing"] > 0
+    assert plan["activations_gb"] == acts["none"] and plan["checkpointing"] == "none"
+    layers = tiny_plan("stage.activation_checkpointing=true")["stages"]["distill"]
+    assert layers["checkpointing"] == "activation_checkpointing"
+
+
+def test_fits_compares_the_peak_with_the_device():
+    assert tiny_plan(device_gb=80)["fits"] and not tiny_plan(device_gb=0.01)["fits"]
+
+
+@pytest.mark.parametrize("policy,kept_known", [("uniform", True), ("ar", False), ("ga_s2", False)])
+def test_retention_policy_in_the_plan(policy, kept_known):
+    plan = tiny_plan(f"retention={policy}", "retention.ratio=0.5")
+    retention = plan["retention"]
+    assert retention["kept"] == 2 and retention["converted"] == 2
+    assert (retention["keep_layers"] == [0, 2]) if kept_known else (retention["keep_layers"] is None
+                                                                      and "scoring" in retention["note"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_meta_trace_equals_what_autograd_keeps_on_the_cpu(family):
+    """The meta-device trace with the flash-attention stand-in keeps exactly the bytes the real CPU kernels keep."""
+    teacher = make_teacher(family, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    real = build_student(teacher, [0, 2]).train().requires_grad_(True)
+    meta = meta_student(teacher.config, [0, 2]).train().requires_grad_(True)
+    assert trace_decoder(meta, 2, 128, "cpu") == trace_decoder(real, 2, 128, "cpu")
+    gdn = 1
+    assert trace_alignment(meta.gdn(gdn), 2, 128, torch.float32, "cpu") == \
+        trace_alignment(real.gdn(gdn), 2, 128, torch.float32, "cpu")
+
+
+def test_saved_tensors_count_what_the_graph_still_holds_once_and_skip_parameters():
+    weight = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensors([weight]).recording() as saved:
+        y = x @ weight
+        loss = (y * y).sum()  # y is saved twice (both operands of the product): counted once
+        (x.exp() * 2).sum()  # a dropped branch: what it saved is freed before the block ends
+    assert saved.outside_bytes == x.numel() * 4 + y.numel() * 4
+    assert loss.requires_grad
+
+
+@pytest.mark.parametrize("args,message", [
+    (["stage=distill", "stage.batch_size=0"], "stage.batch_size=0; expected a positive integer"),
+    (["trainer=nonesuch"], "trainer='nonesuch': no such option in config group 'trainer'"),
+    (["stage.nonexistent=1"], "Could not override 'stage.nonexistent'"),
+    (["teacher=qwen3_8b", "teacher.architecture.model_type=gpt2"],
+     "teacher.architecture.model_type='gpt2'; expected one of llama, qwen2, qwen3"),
+])
+def test_bad_override_is_one_line_and_exit_code_2(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2
+    assert len(err) == 1 and err[0].startswith("tcal: configuration error: ") and message in err[0], err
