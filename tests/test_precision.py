@@ -105,3 +105,15 @@ def test_bfloat16_teacher_run_calibrates_and_trains_in_bf16_mixed(tmp_path):
     assert all("phase2" in layer for layer in results["calibration"]["layers"].values())
     saved = json.loads((tmp_path / "run" / "student" / "config.json").read_text())
     assert saved.get("dtype", saved.get("torch_dtype")) == "float32"
+
+
+def test_teacher_in_dtype_casts_parameters_not_the_rope_buffers():
+    from tcal.training.run import teacher_in_dtype
+
+    teacher = make_teacher("qwen3")
+    rope = dict(teacher.named_buffers())
+    with teacher_in_dtype(teacher, "bfloat16"):
+        assert next(teacher.parameters()).dtype == torch.bfloat16
+        assert all(torch.equal(b, rope[n]) and b.dtype == rope[n].dtype for n, b in teacher.named_buffers())
+    assert next(teacher.parameters()).dtype == torch.float32
+    assert all(b.dtype == rope[n].dtype for n, b in teacher.named_buffers())

@@ -135,21 +135,23 @@ def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Tr
 
 @contextlib.contextmanager
 def teacher_in_dtype(teacher, dtype_name: str | None):
-    """The frozen teacher in `dtype_name` (e.g. bfloat16) for the block, back in its own dtype afterwards."""
+    """The frozen teacher's parameters in `dtype_name` (e.g. bfloat16) for the block, back in their own dtype
+    afterwards. Buffers keep theirs: rounding the float32 RoPE frequencies would change every position's angle."""
     if not dtype_name:
         yield
         return
     own = teacher.dtype
+    buffers = [(module, name, buffer) for module in teacher.modules() for name, buffer in module._buffers.items()
+               if buffer is not None]
     teacher.to(torch_dtype(dtype_name))
+    for module, name, buffer in buffers:
+        module._buffers[name] = buffer
     try:
         yield
     finally:
         teacher.to(own)
-
-
-def loss_text(value: float | None) -> str:
-    """A loss for the console; none when a resumed stage had no step left to run."""
-    return "-" if value is None else f"{value:.4g}"
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
 
 
 def student_weights(state: dict) -> dict:
