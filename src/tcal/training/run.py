@@ -154,6 +154,11 @@ def teacher_in_dtype(teacher, dtype_name: str | None):
             module._buffers[name] = buffer
 
 
+def loss_text(value: float | None) -> str:
+    """A loss for the console; none when a resumed stage had no step left to run."""
+    return "-" if value is None else f"{value:.4g}"
+
+
 def student_weights(state: dict) -> dict:
     """The student's entries of a LightningModule state dict (wrappers' prefixes such as `_forward_module.` cut)."""
     marker = "student."
