@@ -37,6 +37,9 @@ CASES = [
     (["eval.seq_len=5000"], r"eval.seq_len=5000 is beyond the teacher's context of 4096 tokens"),
     (["calibration.seq_len=10000"], r"calibration.seq_len=10000 is beyond the teacher's context of 4096"),
     (["eval.num_windows=0"], r"eval.num_windows=0; expected a positive integer"),
+    (["eval.position_buckets=[16,32]"], r"eval.position_buckets=\[16, 32\]; expected null or increasing integers "
+                                        r"from 0, each below eval.seq_len=64"),
+    (["eval.position_buckets=[0,32,64]"], r"eval.position_buckets=\[0, 32, 64\]; expected null or increasing"),
     (["calibration.batch_size=64", "calibration.seq_len=2048"],
      r"calibration.batch_size=64 windows of calibration.seq_len=2048 .* need 260096 tokens, but the calibration "
      r"split has \d+"),

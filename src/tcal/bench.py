@@ -581,7 +581,8 @@ def main(argv=None) -> None:
     long = parser.add_argument_group("longctx")
     long.add_argument("--contexts", type=numbers(int), default=LONG_CONTEXTS, help="comma list of context lengths")
     long.add_argument("--batches", type=numbers(int), default=LONG_CONTEXT_BATCHES, help="comma list of decode batches")
-    long.add_argument("--ratios", type=numbers(float), default=LONG_CONTEXT_RATIOS, help="comma list of retention ratios")
+    long.add_argument("--ratios", type=numbers(float), default=LONG_CONTEXT_RATIOS,
+                      help="comma list of retention ratios")
     long.add_argument("--decode-tokens", type=int, default=LONG_CONTEXT_DECODE_TOKENS,
                       help="decoding steps timed per model and batch (the figure is their median)")
     long.add_argument("--no-peak-rss", dest="peak_rss", action="store_false",
