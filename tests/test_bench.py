@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import TINY_VOCAB, compose, make_teacher, repo_cache_dir
 
-from tcal.bench import bench_longctx, bench_student, cache_bytes, emit
+from tcal.bench import _cached_tensors, bench_longctx, bench_student, cache_bytes, emit
 
 
 def test_bench_student_prints_every_figure(capsys):
@@ -85,3 +85,16 @@ def test_long_context_peak_rss_in_a_fresh_process():
     cfg = compose("teacher=tiny_llama").teacher
     peaks = in_fresh_process(long_context_peak_rss, cfg, repo_cache_dir(), [0, 2], 64, (1, 4))
     assert sorted(peaks) == [1, 4] and 0 < peaks[1] <= peaks[4]
+
+
+def test_expanded_copy_leaves_the_cache_as_it_was():
+    from tcal.bench import expanded_copy, prefill
+    from tcal.convert import build_student
+
+    student = build_student(make_teacher("llama"), [0, 2])
+    _, cache, _ = prefill(student, torch.randint(3, TINY_VOCAB, (1, 12), generator=torch.Generator().manual_seed(0)))
+    before = [t.clone() for _, _, t in _cached_tensors(cache)]
+    copied = expanded_copy(cache, 2)
+    assert cache_bytes(copied) == 2 * cache_bytes(cache)
+    assert all(torch.equal(a, b) for a, (_, _, b) in zip(before, _cached_tensors(cache), strict=True))
+    assert all(torch.equal(t[1], t[0]) for _, _, t in _cached_tensors(copied))

@@ -104,46 +104,67 @@ def cache_bytes(cache) -> int:
     return sum(tensor.numel() * tensor.element_size() for _, _, tensor in _cached_tensors(cache))
 
 
+def repeat_rows(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """`tensor`'s rows (dim 0) repeated cyclically up to `batch` rows."""
+    return tensor.index_select(0, torch.arange(batch, device=tensor.device) % tensor.shape[0])
+
+
 def expand_cache_batch(cache, batch: int) -> None:
-    """Repeat the rows of every cached tensor cyclically up to `batch` rows, in place and one tensor at a time
-    (the peak holds one tensor twice, not the whole cache). Decoding costs the same whatever the cache holds,
-    so a batch-1 prefill stands in for a batch-`batch` one."""
+    """Repeat the rows of every cached tensor up to `batch` rows, in place and one tensor at a time (the peak
+    holds one tensor twice, not the whole cache). Decoding costs the same whatever the cache holds, so a
+    batch-1 prefill stands in for a batch-`batch` one."""
     for holder, key, tensor in _cached_tensors(cache):
-        rows = torch.arange(batch, device=tensor.device) % tensor.shape[0]
-        expanded = tensor.index_select(0, rows)
         if isinstance(holder, dict):
-            holder[key] = expanded
+            holder[key] = repeat_rows(tensor, batch)
         else:
-            setattr(holder, key, expanded)
+            setattr(holder, key, repeat_rows(tensor, batch))
+
+
+def expanded_copy(cache, batch: int):
+    """A copy of `cache` with every cached tensor's rows repeated up to `batch` rows; `cache` is left as it was
+    (and never copied at its own batch)."""
+    return copy.deepcopy(cache, {id(tensor): repeat_rows(tensor, batch) for _, _, tensor in _cached_tensors(cache)})
+
+
+class Clock:
+    """Wall and process CPU seconds of a block. On a machine shared with other jobs the CPU time of a
+    one-thread process is what an idle core would take; the wall time also counts the waits for a core."""
+
+    def __enter__(self):
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self._wall, time.process_time() - self._cpu
 
 
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor):
-    """(seconds, cache, greedy next token [B, 1]) of one cached forward over `ids`; logits of the last position
+    """(Clock, cache, greedy next token [B, 1]) of one cached forward over `ids`; logits of the last position
     only (a 32k-token prefill would otherwise hold 32k x vocab float32 logits)."""
-    start = time.perf_counter()
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    return time.perf_counter() - start, out.cache, out.logits[:, -1:].argmax(-1)
+    with Clock() as clock:
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return clock, out.cache, out.logits[:, -1:].argmax(-1)
 
 
 @torch.no_grad()
-def decode_steps(model, cache, next_ids: torch.Tensor, tokens: int) -> tuple[list[float], torch.Tensor]:
-    """(seconds of each of `tokens` greedy decoding steps, the next token after them), growing `cache`."""
-    times = []
+def decode_steps(model, cache, next_ids: torch.Tensor, tokens: int) -> tuple[list[Clock], torch.Tensor]:
+    """(a Clock per greedy decoding step, the next token after `tokens` steps), growing `cache`."""
+    clocks = []
     for _ in range(tokens):
-        start = time.perf_counter()
-        out = model(input_ids=next_ids, cache=cache, use_cache=True)
-        next_ids = out.logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - start)
-    return times, next_ids
+        with Clock() as clock:
+            out = model(input_ids=next_ids, cache=cache, use_cache=True)
+            next_ids = out.logits[:, -1:].argmax(-1)
+        clocks.append(clock)
+    return clocks, next_ids
 
 
 def _decode_time(model, context: torch.Tensor, steps: int = 8) -> tuple[float, int]:
-    """(seconds per generated token at `context` length, cache bytes after the prefill)."""
+    """(wall seconds per generated token at `context` length, cache bytes after the prefill)."""
     _, cache, nxt = prefill(model, context)
     size = cache_bytes(cache)
-    times, _ = decode_steps(model, cache, nxt, steps)
-    return sum(times) / steps, size
+    clocks, _ = decode_steps(model, cache, nxt, steps)
+    return sum(c.wall for c in clocks) / steps, size
 
 
 def bench_student(teacher, keep_layers, batch=4, seq_len=512, context=4096) -> list[dict]:
@@ -188,45 +209,36 @@ LONG_CONTEXT_TARGETS = {("decode_per_token", 16384): 0.7, ("decode_per_token", 3
                         ("cache_bytes", None): 0.52, ("prefill", 16384): 0.8}
 
 
-def _batch_rows(ids: torch.Tensor, batch: int) -> torch.Tensor:
-    return ids.index_select(0, torch.arange(batch, device=ids.device) % ids.shape[0])
-
-
 def _context_ids(vocab: int, context: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(1))
 
 
 def time_long_context(models: dict, context: int, batches, decode_tokens: int, rounds: int = 4) -> dict:
-    """{retention: {"prefill_s", "decode_s": {batch: median s/token}, "cache_bytes": {batch: bytes}}} for each of
-    `models` ({retention ratio: model}) at `context` tokens, all measured in this process. Prefill is at batch 1;
-    a larger batch decodes from a copy of that cache with its rows repeated, one model at a time (every model's
-    batch-8 cache at 32k would not fit in memory); batch 1 decodes the models in turn, `rounds` blocks each, so
-    a drift in the machine's load reaches teacher and student alike."""
+    """{retention: {"prefill": Clock, "decode": {batch: (median CPU s, median wall s) per token},
+    "cache_bytes": {batch: bytes}}} for each of `models` ({retention ratio: model}) at `context` tokens, all in
+    this process. Prefill is at batch 1; every batch decodes from a copy of that cache with its rows repeated,
+    the models in turn in `rounds` blocks of tokens (one batch-8 copy at a time: all of them would not fit at
+    32k), so a drift in the machine's load reaches teacher and students alike."""
     vocab = next(iter(models.values())).config.vocab_size
     ids = _context_ids(vocab, context)
     figures, prefilled = {}, {}
     for retention, model in models.items():
-        seconds, cache, next_ids = prefill(model, ids)
+        clock, cache, next_ids = prefill(model, ids)
         prefilled[retention] = (cache, next_ids)
-        figures[retention] = {"prefill_s": seconds, "decode_s": {}, "cache_bytes": {1: cache_bytes(cache)}}
-    for batch in sorted(set(batches) - {1}):
-        for retention, model in models.items():
-            cache, next_ids = copy.deepcopy(prefilled[retention])
-            expand_cache_batch(cache, batch)
-            figures[retention]["cache_bytes"][batch] = cache_bytes(cache)
-            times, _ = decode_steps(model, cache, _batch_rows(next_ids, batch), decode_tokens)
-            figures[retention]["decode_s"][batch] = statistics.median(times)
-            del cache
-    if 1 in batches:
-        times = {retention: [] for retention in models}
+        figures[retention] = {"prefill": clock, "decode": {}, "cache_bytes": {}}
+    per_round = -(-decode_tokens // rounds)
+    for batch in batches:
+        clocks = {retention: [] for retention in models}
         for _ in range(rounds):
             for retention, model in models.items():
-                cache, next_ids = prefilled[retention]
-                block, next_ids = decode_steps(model, cache, next_ids, -(-decode_tokens // rounds))
-                prefilled[retention] = (cache, next_ids)
-                times[retention] += block
+                cache, next_ids = expanded_copy(prefilled[retention][0], batch), prefilled[retention][1]
+                figures[retention]["cache_bytes"][batch] = cache_bytes(cache)
+                block, _ = decode_steps(model, cache, repeat_rows(next_ids, batch), per_round)
+                clocks[retention] += block
+                del cache
         for retention in models:
-            figures[retention]["decode_s"][1] = statistics.median(times[retention])
+            figures[retention]["decode"][batch] = (statistics.median(c.cpu for c in clocks[retention]),
+                                                   statistics.median(c.wall for c in clocks[retention]))
     return figures
 
 
@@ -250,23 +262,28 @@ def long_context_peak_rss(teacher_cfg, cache_dir, keep_layers, context: int, bat
     peaks = {}
     for batch in sorted(batches):
         expand_cache_batch(cache, batch)
-        _, next_ids = decode_steps(model, cache, _batch_rows(next_ids, batch), decode_tokens)
+        _, next_ids = decode_steps(model, cache, repeat_rows(next_ids, batch), decode_tokens)
         peaks[batch] = _rss_kib("VmHWM") * 1024
     return peaks
 
 
 def _long_context_lines(context: int, retention: float, teacher: dict, student: dict, peaks: dict, **extra):
-    """The JSON lines of one student against the teacher at one context (targets at retention 0.5 only)."""
-    def line(figure: str, batch: int, unit: str, teacher_value, student_value) -> dict:
+    """The JSON lines of one student against the teacher at one context (targets at retention 0.5 only). Times
+    are process CPU seconds (the ratio's), with the wall seconds beside them."""
+    def line(figure: str, batch: int, unit: str, teacher_value, student_value, **more) -> dict:
         bound = LONG_CONTEXT_TARGETS.get((figure, context), LONG_CONTEXT_TARGETS.get((figure, None)))
         target = {"target": f"ratio <= {bound}"} if bound is not None and retention == 0.5 else {}
         return emit(figure, context=context, batch=batch, retention_ratio=retention,
                     **{f"teacher_{unit}": teacher_value, f"student_{unit}": student_value},
-                    ratio=student_value / teacher_value, **target, **extra)
+                    ratio=student_value / teacher_value, **more, **target, **extra)
 
-    lines = [line("prefill", 1, "s", teacher["prefill_s"], student["prefill_s"])]
-    for batch in sorted(teacher["decode_s"]):
-        lines.append(line("decode_per_token", batch, "s", teacher["decode_s"][batch], student["decode_s"][batch]))
+    def timed(figure: str, batch: int, teacher_cpu_wall, student_cpu_wall) -> dict:
+        return line(figure, batch, "s", teacher_cpu_wall[0], student_cpu_wall[0], teacher_wall_s=teacher_cpu_wall[1],
+                    student_wall_s=student_cpu_wall[1])
+
+    lines = [timed("prefill", 1, *((m["prefill"].cpu, m["prefill"].wall) for m in (teacher, student)))]
+    for batch in teacher["decode"]:
+        lines.append(timed("decode_per_token", batch, teacher["decode"][batch], student["decode"][batch]))
         lines.append(line("cache_bytes", batch, "bytes", teacher["cache_bytes"][batch], student["cache_bytes"][batch]))
         if peaks:
             lines.append(line("peak_rss", batch, "bytes", peaks[TEACHER_RETENTION][batch], peaks[retention][batch]))
