@@ -102,6 +102,11 @@ def test_recurrent_step_is_one_token_of_the_rule():
     o, s = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0, 8**-0.5)
     assert_close(o, o_ref[:, 0])
     assert_close(s, s_ref)
+    state = h0.clone()
+    o, s = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, 8**-0.5, in_place=True)
+    assert s is state  # the given state updated, no new tensor
+    assert_close(o, o_ref[:, 0])
+    assert_close(state, s_ref)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -237,8 +242,10 @@ def test_prefill_then_steps_equals_full_sequence(prefill):
         _, full_state = gdn.mix(x, output_final_state=True)
         cache = one_layer_cache()
         pieces = [gdn(x[:, :prefill], cache=cache)[0]]
+        cached = cache.layers[0].recurrent_states[0]
         for t in range(prefill, x.shape[1]):
             pieces.append(gdn(x[:, t:t + 1], cache=cache)[0])
+    assert cache.layers[0].recurrent_states[0] is cached  # the steps wrote the cached state in place
     assert_close(torch.cat(pieces, 1), full, **MODULE_TOL, what="prefill + steps")
     assert_close(cache.layers[0].recurrent_states[0], full_state, **MODULE_TOL, what="cached state")
 

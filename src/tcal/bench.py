@@ -141,9 +141,16 @@ class Clock:
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor):
     """(Clock, cache, greedy next token [B, 1]) of one cached forward over `ids`; logits of the last position
-    only (a 32k-token prefill would otherwise hold 32k x vocab float32 logits)."""
+    only (a 32k-token prefill would otherwise hold 32k x vocab float32 logits). Teacher and student alike get
+    the cache the hybrid student makes for itself (softmax layers appending in place), so both decode with the
+    same KV cache code."""
+    from transformers import DynamicCache
+
+    from tcal.hybrid import use_growing_kv
+
+    cache = use_growing_kv(DynamicCache(config=model.config))
     with Clock() as clock:
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     return clock, out.cache, out.logits[:, -1:].argmax(-1)
 
 
@@ -225,7 +232,9 @@ def time_long_context(models: dict, context: int, batches, decode_tokens: int, r
     for retention, model in models.items():
         clock, cache, next_ids = prefill(model, ids)
         prefilled[retention] = (cache, next_ids)
-        figures[retention] = {"prefill": clock, "decode": {}, "cache_bytes": {}}
+        figures[retention] = {"prefill": clock, "decode": {}, "cache_bytes": {},
+                              "kv_layer": next(type(h).__name__ for h, _, _ in _cached_tensors(cache)
+                                               if not isinstance(h, dict))}
     per_round = -(-decode_tokens // rounds)
     for batch in batches:
         clocks = {retention: [] for retention in models}
@@ -312,7 +321,8 @@ def bench_longctx(teacher, teacher_cfg, cache_dir, ratios=LONG_CONTEXT_RATIOS, c
                  for retention in models} if peak_rss else {}
         for ratio in ratios:
             lines += _long_context_lines(context, ratio, timed[TEACHER_RETENTION], timed[ratio], peaks,
-                                         model=teacher_cfg.name, threads=torch.get_num_threads())
+                                         model=teacher_cfg.name, threads=torch.get_num_threads(),
+                                         kv_layer=timed[TEACHER_RETENTION]["kv_layer"])
     return lines
 
 
