@@ -204,7 +204,8 @@ TINY_PAPER = ["data=shakespeare", "trainer=cpu", "trainer.devices=1", "eval/harn
 TINY_STAGE = [f"stage.{key}={value}" for key, value in (("max_tokens", 128), ("eval_every_tokens", 64),
                                                          ("batch_size", 2), ("seq_len", 32))]
 EXTRA_TINY: dict[str, list[str]] = {**{name: TINY_PAPER for name in PAPER_EXPERIMENTS},
-                                    "smollm2_135m_uniform_r050_distill": ["init=zero_gate", *TINY_STAGE]}
+                                    "smollm2_135m_uniform_r050_distill": ["init=zero_gate", *TINY_STAGE],
+                                    "smollm2_135m_position_ppl": ["init=naive", "eval.position_buckets=[0,8,16]"]}
 
 
 def tcal_command() -> list[str]:

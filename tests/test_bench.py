@@ -1,9 +1,11 @@
-"""The benchmark entry runs end to end on tiny inputs (figures, not timings, are checked)."""
+"""The benchmark entry runs end to end on tiny inputs (figures, not timings, are checked), and a decode benchmarked
+at batch 8 from a repeated batch-1 cache decodes like the batch-1 cache."""
 
 import pytest
-from conftest import make_teacher
+import torch
+from conftest import TINY_VOCAB, compose, make_teacher, repo_cache_dir
 
-from tcal.bench import bench_student, emit
+from tcal.bench import _cached_tensors, bench_longctx, bench_student, cache_bytes, emit
 
 
 def test_bench_student_prints_every_figure(capsys):
@@ -46,3 +48,62 @@ def test_fresh_process_runs_with_the_environment_it_is_given():
 
     assert in_fresh_process(os.getenv, "TCAL_BENCH_PROBE", env={"TCAL_BENCH_PROBE": "eager"}) == "eager"
     assert "TCAL_BENCH_PROBE" not in os.environ
+
+
+def test_expanded_cache_decodes_every_row_like_the_batch_1_cache():
+    """`expand_cache_batch` stands a batch-1 prefill in for a batch-3 one: each row decodes as the single row."""
+    from tcal.bench import decode_steps, expand_cache_batch, prefill
+    from tcal.convert import build_student
+
+    teacher = make_teacher("llama")
+    ids = torch.randint(3, TINY_VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    for model in (teacher, build_student(teacher, [0, 2])):
+        _, single, next_ids = prefill(model, ids)
+        _, batched, _ = prefill(model, ids)
+        expand_cache_batch(batched, 3)
+        assert cache_bytes(batched) == 3 * cache_bytes(single)
+        with torch.no_grad():
+            expected = model(input_ids=next_ids, cache=single, use_cache=True).logits
+            logits = model(input_ids=next_ids.expand(3, 1), cache=batched, use_cache=True).logits
+        torch.testing.assert_close(logits, expected.expand(3, -1, -1), rtol=1e-5, atol=1e-5)
+        times, _ = decode_steps(model, batched, next_ids.expand(3, 1), 2)
+        assert len(times) == 2
+
+
+def test_bench_longctx_prints_every_figure(capsys):
+    teacher = make_teacher("llama")
+    lines = bench_longctx(teacher, compose("teacher=tiny_llama").teacher, None, ratios=(0.5,), contexts=(32,),
+                          batches=(1, 2), decode_tokens=2, peak_rss=False)
+    assert [(line["figure"], line["batch"]) for line in lines] == [
+        ("prefill", 1), ("decode_per_token", 1), ("cache_bytes", 1), ("decode_per_token", 2), ("cache_bytes", 2)]
+    assert {(line["context"], line["retention_ratio"]) for line in lines} == {(32, 0.5)}
+    kv_per_layer = 2 * 2 * 32 * 16 * 4  # as in test_bench_student_prints_every_figure
+    for line in lines[2::2]:
+        assert line["teacher_bytes"] == line["batch"] * 4 * kv_per_layer
+        assert line["student_bytes"] == line["batch"] * (2 * kv_per_layer + 2 * 4 * 16 * 16 * 4)
+        assert line["ratio"] == pytest.approx(line["student_bytes"] / line["teacher_bytes"], abs=1e-5)
+        assert line["target"] == "ratio <= 0.52"
+    assert all(line["ratio"] > 0 for line in lines)
+    assert len(capsys.readouterr().out.strip().splitlines()) == len(lines)
+
+
+@pytest.mark.slow
+def test_long_context_peak_rss_in_a_fresh_process():
+    from tcal.bench import in_fresh_process, long_context_peak_rss
+
+    cfg = compose("teacher=tiny_llama").teacher
+    peaks = in_fresh_process(long_context_peak_rss, cfg, repo_cache_dir(), [0, 2], 64, (1, 4))
+    assert sorted(peaks) == [1, 4] and 0 < peaks[1] <= peaks[4]
+
+
+def test_expanded_copy_leaves_the_cache_as_it_was():
+    from tcal.bench import expanded_copy, prefill
+    from tcal.convert import build_student
+
+    student = build_student(make_teacher("llama"), [0, 2])
+    _, cache, _ = prefill(student, torch.randint(3, TINY_VOCAB, (1, 12), generator=torch.Generator().manual_seed(0)))
+    before = [t.clone() for _, _, t in _cached_tensors(cache)]
+    copied = expanded_copy(cache, 2)
+    assert cache_bytes(copied) == 2 * cache_bytes(cache)
+    assert all(torch.equal(a, b) for a, (_, _, b) in zip(before, _cached_tensors(cache), strict=True))
+    assert all(torch.equal(t[1], t[0]) for _, _, t in _cached_tensors(copied))

@@ -1,5 +1,6 @@
 """Several ranks, one result: the per-layer work split across 2 gloo processes gives one process's weights and
-scores, with each layer built by one rank only; the evaluation's window shards add up to every window once."""
+scores, with each layer built by one rank only; the evaluation's window shards add up to every window once, and
+its sums per position bucket to one process's."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def tcal(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, str]:
 
 
 def test_two_ranks_calibrate_and_score_like_one_process_each_layer_once(tmp_path):
-    one, _ = tcal(tmp_path, "one", *GA_S2_FULL, "trainer=cpu")
-    two, log = tcal(tmp_path, "two", *GA_S2_FULL, "trainer=ddp")
+    buckets = "eval.position_buckets=[0,16,32]"  # rank 1 repeats a window at weight 0: it must count nowhere
+    one, _ = tcal(tmp_path, "one", *GA_S2_FULL, buckets, "trainer=cpu")
+    two, log = tcal(tmp_path, "two", *GA_S2_FULL, buckets, "trainer=ddp")
     assert two["init_weights_digest"] == one["init_weights_digest"]
     assert two["retention_scores"] == pytest.approx(one["retention_scores"], rel=1e-6)
     assert two["keep_layers"] == one["keep_layers"]
@@ -49,6 +51,10 @@ def test_two_ranks_calibrate_and_score_like_one_process_each_layer_once(tmp_path
     assert sorted(built) == list(range(4)) and not set(shares[0]) & set(shares[1])
     for name, metrics in one["metrics"].items():
         assert two["metrics"][name]["student_ppl"] == pytest.approx(metrics["student_ppl"], rel=1e-6)
+        for bucket, other in zip(metrics["by_position"], two["metrics"][name]["by_position"], strict=True):
+            assert other["tokens"] == bucket["tokens"]
+            for role in ("teacher_ppl", "student_ppl"):
+                assert other[role] == pytest.approx(bucket[role], rel=1e-6)
 
 
 @pytest.mark.parametrize("num_windows,world", [(5, 2), (4, 2), (3, 4), (1, 3)])

@@ -89,6 +89,21 @@ def test_matches_naive_recurrent(impl, shape, with_state):
         assert_close(a, b, atol=2e-5, rtol=2e-5, what=f"d{name}")
 
 
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+def test_long_sequence_without_autograd_matches_naive_recurrent(with_state):
+    """Past INFERENCE_SEGMENT tokens without autograd the chunk path runs in pieces (the last one partial)."""
+    inputs = random_inputs(2, 600, 3, 16, 8, with_state=with_state)
+    o_ref, s_ref = reference(*inputs)
+    with torch.no_grad():
+        o, s = ours_chunk(*inputs)
+    o_whole, s_whole = (t.detach() for t in ours_chunk(*(t.clone().requires_grad_() if t is not None else None
+                                                          for t in inputs)))  # recording: the whole sequence
+    assert_close(o, o_ref, what="output")
+    assert_close(s, s_ref, what="final state")
+    torch.testing.assert_close(o, o_whole, rtol=1e-6, atol=1e-6)  # the same chunks as the whole sequence at once
+    torch.testing.assert_close(s, s_whole, rtol=1e-6, atol=1e-6)
+
+
 def test_no_final_state_unless_asked():
     q, k, v, g, beta, _ = random_inputs(1, 10, 2, 8, 8)
     for T in (1, 10):
@@ -102,6 +117,11 @@ def test_recurrent_step_is_one_token_of_the_rule():
     o, s = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0, 8**-0.5)
     assert_close(o, o_ref[:, 0])
     assert_close(s, s_ref)
+    state = h0.clone()
+    o, s = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, 8**-0.5, in_place=True)
+    assert s is state  # the given state updated, no new tensor
+    assert_close(o, o_ref[:, 0])
+    assert_close(state, s_ref)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -237,8 +257,10 @@ def test_prefill_then_steps_equals_full_sequence(prefill):
         _, full_state = gdn.mix(x, output_final_state=True)
         cache = one_layer_cache()
         pieces = [gdn(x[:, :prefill], cache=cache)[0]]
+        cached = cache.layers[0].recurrent_states[0]
         for t in range(prefill, x.shape[1]):
             pieces.append(gdn(x[:, t:t + 1], cache=cache)[0])
+    assert cache.layers[0].recurrent_states[0] is cached  # the steps wrote the cached state in place
     assert_close(torch.cat(pieces, 1), full, **MODULE_TOL, what="prefill + steps")
     assert_close(cache.layers[0].recurrent_states[0], full_state, **MODULE_TOL, what="cached state")
 

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tcal.convert import build_student, expand_kv, layer_generator
 from tcal.gdn import GatedDeltaNet
-from tcal.hybrid import LINEAR, HybridConfig, HybridForCausalLM
+from tcal.hybrid import KV_RESERVE, LINEAR, GrowingKVLayer, HybridConfig, HybridForCausalLM
 
 TOL = 1e-4
 PAD, EOS = 0, 2
@@ -161,6 +161,48 @@ def test_cached_step_logits_equal_full_forward(tiny_teachers, family, prefill):
         pieces.append(student(ids[:, prefill + 2:], cache=cache, use_cache=True).logits)  # a two-token chunk
     diff = max_diff(torch.cat(pieces, 1), full)
     assert diff < TOL, f"{family}: cached logits differ from the full forward by {diff:.3g}"
+
+
+def test_kept_layers_append_in_place_past_a_reallocation(tiny_teachers):
+    """Decoding writes each position into the kept layers' buffers (one buffer until it is full, then one more),
+    with the full forward's logits."""
+    student = build_student(tiny_teachers["llama"], [0, 2])
+    prefill, total = 10, 10 + KV_RESERVE + 12
+    ids = tokens(2, total, seed=7)
+    full = logits(student, ids)
+    buffers = set()
+    with torch.no_grad():
+        out = student(ids[:, :prefill], use_cache=True)
+        cache, pieces = out.cache, [out.logits]
+        assert [type(layer) for layer in cache.layers][::2] == [GrowingKVLayer, GrowingKVLayer]
+        for t in range(prefill, total):
+            pieces.append(student(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+            buffers.add(cache.layers[0].keys.data_ptr())
+    assert len(buffers) == 2
+    assert cache.get_seq_length() == total
+    assert max_diff(torch.cat(pieces, 1), full) < TOL
+
+
+def test_reordered_cache_keeps_decoding_like_the_full_forward(tiny_teachers):
+    """Beam search's reorder replaces the cached tensors: the next step notices and writes into a new buffer."""
+    student = build_student(tiny_teachers["llama"], [0, 2])
+    ids = tokens(2, 13, seed=8)
+    with torch.no_grad():
+        cache = student(ids[:, :12], use_cache=True).cache
+        cache.reorder_cache(torch.tensor([1, 0]))
+        step = student(ids[[1, 0], 12:], cache=cache, use_cache=True).logits
+    assert max_diff(step, logits(student, ids[[1, 0]])[:, -1:]) < TOL
+
+
+def test_cache_with_autograd_concatenates(tiny_teachers):
+    """With gradients recorded, the kept layers concatenate (no buffer written after its views were saved for
+    backward). All layers kept: a GDN state in transformers' cache is itself overwritten in place."""
+    student = build_student(tiny_teachers["llama"], [0, 1, 2, 3]).train()
+    ids = tokens(1, 9, seed=9)
+    out = student(ids[:, :8], use_cache=True)
+    step = student(ids[:, 8:], cache=out.cache, use_cache=True)
+    (out.logits.square().mean() + step.logits.square().mean()).backward()
+    assert student.model.layers[0].self_attn.q_proj.weight.grad is not None
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -216,3 +216,36 @@ def test_tables_pick_runs_by_stage_and_after_training(tmp_path):
     ]
     assert "duplicate" not in (tmp_path / "r" / "report.md").read_text()
     assert [p.name for p in (tmp_path / "r").glob("*.png")] == ["curve_t1_uniform_r0.5_shakespeare.png"]  # Stage 2
+
+
+def _by_position(teacher, student, edges=(0, 512, 1024, 2048, 4096)):
+    return [{"start": start, "end": end, "tokens": 4 * (end - start), "teacher_ppl": t, "student_ppl": s}
+            for start, end, t, s in zip(edges, edges[1:], teacher, student)]
+
+
+def test_position_table_and_plot(tmp_path):
+    """Per bucket: the teacher's PPL, each init's PPL and its ratio to the teacher's; an init without buckets and a
+    trained run are left out; one ratio-against-position PNG per group and eval set."""
+    teacher = (30.0, 20.0, 16.0, 15.0)
+    runs = {"naive": _result("uniform", "naive", 500.0), "full": _result("uniform", "full", 25.0),
+            "zero_gate": _result("uniform", "zero_gate", 40.0),
+            "full_trained": _trained("full", "distill", 21.0)}
+    runs["naive"]["metrics"]["shakespeare"]["by_position"] = _by_position(teacher, (300.0, 400.0, 800.0, 1500.0))
+    runs["full"]["metrics"]["shakespeare"]["by_position"] = _by_position(teacher, (33.0, 24.0, 24.0, 30.0))
+    runs["full_trained"]["metrics"]["shakespeare"]["by_position"] = _by_position(teacher, (1.0, 1.0, 1.0, 1.0))
+    for name, data in runs.items():
+        (tmp_path / "m" / name).mkdir(parents=True)
+        (tmp_path / "m" / name / "results.json").write_text(json.dumps(data))
+    main([str(tmp_path / "m"), "--out", str(tmp_path / "r")])
+    head = ["t1", "uniform", "0.5", "shakespeare"]
+    assert _rows(tmp_path / "r" / "by_position.csv") == [
+        ["teacher", "policy", "ratio", "eval set", "positions", "teacher PPL", "naive PPL", "naive/teacher",
+         "full PPL", "full/teacher"],
+        head + ["0-511", "30.00", "300.00", "10.00x", "33.00", "1.10x"],
+        head + ["512-1023", "20.00", "400.00", "20.00x", "24.00", "1.20x"],
+        head + ["1024-2047", "16.00", "800.00", "50.00x", "24.00", "1.50x"],
+        head + ["2048-4095", "15.00", "1,500.0", "100.00x", "30.00", "2.00x"],
+    ]
+    plot = tmp_path / "r" / "position_t1_uniform_r0.5_shakespeare.png"
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    assert f"]({plot.name})" in (tmp_path / "r" / "report.md").read_text()

@@ -46,6 +46,9 @@ CASES = [
     (["stage=distill", "stage.seq_len=1"], r"stage.seq_len=1; expected an integer >= 2 \(a window needs a next token"),
     (["eval.seq_len=1"], r"eval.seq_len=1; expected an integer >= 2"),
     (["init=full", "calibration.seq_len=1"], r"calibration.seq_len=1; expected an integer >= 2"),
+    (["eval.position_buckets=[16,32]"], r"eval.position_buckets=\[16, 32\]; expected null or increasing integers "
+                                        r"from 0, each below eval.seq_len=64"),
+    (["eval.position_buckets=[0,32,64]"], r"eval.position_buckets=\[0, 32, 64\]; expected null or increasing"),
     (["calibration.batch_size=64", "calibration.seq_len=2048"],
      r"calibration.batch_size=64 windows of calibration.seq_len=2048 .* need 260096 tokens, but the calibration "
      r"split has \d+"),

@@ -8,14 +8,18 @@ forward+backward), `init` (wall time and peak memory of the `phase2`, `full` and
 and their ratios to `full`), `stage1` / `stage2` (a training step against its parts measured apart, and the
 process's peak RSS), `stage2_plain` (the same step with full-batch logits and an unchunked KL, for the memory
 comparison), `plan` (`tcal-plan`'s Stage 2 peak against the peak RSS of the same short Stage 2, each measured in a
-fresh process; `-o stage.checkpoint_mixers=false` etc. choose the checkpointing). Ratios, not timed tests. Peak RSS
-is per process: run `stage2` and `stage2_plain` each in its own invocation.
+fresh process; `-o stage.checkpoint_mixers=false` etc. choose the checkpointing), and, only when named, `longctx` (the naive uniform students at `--ratios` against the teacher at
+`--contexts` tokens: prefill, decode per token at `--batches`, cache bytes and peak RSS; minutes to hours on a CPU).
+Ratios, not timed tests. Peak RSS is per process: run `stage2` and `stage2_plain` each in its own
+invocation (`longctx` starts a process per model and context itself).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import statistics
 import time
 from functools import partial
 
@@ -83,30 +87,92 @@ def bench_gdn(lengths=(512, 2048)) -> list[dict]:
     return lines
 
 
-def cache_bytes(cache) -> int:
-    total = 0
+def _cached_tensors(cache):
+    """(holder, key, tensor) for every tensor a transformers cache holds: the softmax layers' keys and values
+    (attributes of the layer) and the linear-attention layers' recurrent states (entries of a dict)."""
     for layer in cache.layers:
         for name in ("keys", "values"):
             tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
-        for state in (getattr(layer, "recurrent_states", None) or {}).values():
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                yield layer, name, tensor
+        states = getattr(layer, "recurrent_states", None) or {}
+        for index, state in states.items():
             if isinstance(state, torch.Tensor):
-                total += state.numel() * state.element_size()
-    return total
+                yield states, index, state
+
+
+def cache_bytes(cache) -> int:
+    return sum(tensor.numel() * tensor.element_size() for _, _, tensor in _cached_tensors(cache))
+
+
+def repeat_rows(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """`tensor`'s rows (dim 0) repeated cyclically up to `batch` rows."""
+    return tensor.index_select(0, torch.arange(batch, device=tensor.device) % tensor.shape[0])
+
+
+def expand_cache_batch(cache, batch: int) -> None:
+    """Repeat the rows of every cached tensor up to `batch` rows, in place and one tensor at a time (the peak
+    holds one tensor twice, not the whole cache). Decoding costs the same whatever the cache holds, so a
+    batch-1 prefill stands in for a batch-`batch` one."""
+    for holder, key, tensor in _cached_tensors(cache):
+        if isinstance(holder, dict):
+            holder[key] = repeat_rows(tensor, batch)
+        else:
+            setattr(holder, key, repeat_rows(tensor, batch))
+
+
+def expanded_copy(cache, batch: int):
+    """A copy of `cache` with every cached tensor's rows repeated up to `batch` rows; `cache` is left as it was
+    (and never copied at its own batch)."""
+    return copy.deepcopy(cache, {id(tensor): repeat_rows(tensor, batch) for _, _, tensor in _cached_tensors(cache)})
+
+
+class Clock:
+    """Wall and process CPU seconds of a block. On a machine shared with other jobs the CPU time of a
+    one-thread process is what an idle core would take; the wall time also counts the waits for a core."""
+
+    def __enter__(self):
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self._wall, time.process_time() - self._cpu
 
 
 @torch.no_grad()
+def prefill(model, ids: torch.Tensor):
+    """(Clock, cache, greedy next token [B, 1]) of one cached forward over `ids`; logits of the last position
+    only (a 32k-token prefill would otherwise hold 32k x vocab float32 logits). Teacher and student alike get
+    the cache the hybrid student makes for itself (softmax layers appending in place), so both decode with the
+    same KV cache code."""
+    from transformers import DynamicCache
+
+    from tcal.hybrid import use_growing_kv
+
+    cache = use_growing_kv(DynamicCache(config=model.config))
+    with Clock() as clock:
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return clock, out.cache, out.logits[:, -1:].argmax(-1)
+
+
+@torch.no_grad()
+def decode_steps(model, cache, next_ids: torch.Tensor, tokens: int) -> tuple[list[Clock], torch.Tensor]:
+    """(a Clock per greedy decoding step, the next token after `tokens` steps), growing `cache`."""
+    clocks = []
+    for _ in range(tokens):
+        with Clock() as clock:
+            out = model(input_ids=next_ids, cache=cache, use_cache=True)
+            next_ids = out.logits[:, -1:].argmax(-1)
+        clocks.append(clock)
+    return clocks, next_ids
+
+
 def _decode_time(model, context: torch.Tensor, steps: int = 8) -> tuple[float, int]:
-    """(seconds per generated token at `context` length, cache bytes after the prefill)."""
-    out = model(input_ids=context, use_cache=True)
-    cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+    """(wall seconds per generated token at `context` length, cache bytes after the prefill)."""
+    _, cache, nxt = prefill(model, context)
     size = cache_bytes(cache)
-    start = time.perf_counter()
-    for _ in range(steps):
-        out = model(input_ids=nxt, cache=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-    return (time.perf_counter() - start) / steps, size
+    clocks, _ = decode_steps(model, cache, nxt, steps)
+    return sum(c.wall for c in clocks) / steps, size
 
 
 def bench_student(teacher, keep_layers, batch=4, seq_len=512, context=4096) -> list[dict]:
@@ -138,6 +204,131 @@ def bench_student(teacher, keep_layers, batch=4, seq_len=512, context=4096) -> l
                       ratio=s_bytes / t_bytes, target="ratio <= 0.55"))
     lines.append(emit("decode_per_token", context=context, teacher_s=t_dec, student_s=s_dec,
                       ratio=s_dec / t_dec, target="ratio < 1"))
+    return lines
+
+
+LONG_CONTEXTS = (1024, 4096, 16384, 32768)
+LONG_CONTEXT_RATIOS = (0.5, 0.25)
+LONG_CONTEXT_BATCHES = (1, 8)
+LONG_CONTEXT_DECODE_TOKENS = 32
+TEACHER_RETENTION = 1.0  # the teacher is the model that keeps every softmax layer
+SHORT_PREFILL = 4096  # prefills up to this length are timed 3 times (the fastest kept); longer ones once
+# Bounds on student / teacher at retention 0.5: (figure, context or None for every context) -> bound.
+LONG_CONTEXT_TARGETS = {("decode_per_token", 16384): 0.7, ("decode_per_token", 32768): 0.6,
+                        ("cache_bytes", None): 0.52, ("prefill", 16384): 0.8}
+
+
+def _context_ids(vocab: int, context: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(1))
+
+
+def time_long_context(models: dict, context: int, batches, decode_tokens: int, rounds: int = 4) -> dict:
+    """{retention: {"prefill": Clock, "decode": {batch: (median CPU s, median wall s) per token},
+    "cache_bytes": {batch: bytes}, "kv_layer": name}} for each of `models` ({retention ratio: model}) at
+    `context` tokens, all in this process. Prefill is at batch 1, the models in turn (3 times up to
+    SHORT_PREFILL tokens, the fastest kept). Every batch decodes from a copy of that cache with its rows
+    repeated, the models in turn in `rounds` blocks of tokens (one batch-8 copy at a time: all of them would not
+    fit at 32k), so a drift in the machine's load reaches teacher and students alike."""
+    ids = _context_ids(next(iter(models.values())).config.vocab_size, context)
+    figures = {retention: {"decode": {}, "cache_bytes": {}} for retention in models}
+    prefilled = {}
+    for _ in range(3 if context <= SHORT_PREFILL else 1):
+        for retention, model in models.items():
+            clock, cache, next_ids = prefill(model, ids)
+            prefilled[retention] = (cache, next_ids)
+            if "prefill" not in figures[retention] or clock.cpu < figures[retention]["prefill"].cpu:
+                figures[retention]["prefill"] = clock
+    for retention, (cache, _) in prefilled.items():
+        figures[retention]["kv_layer"] = next(type(h).__name__ for h, _, _ in _cached_tensors(cache)
+                                              if not isinstance(h, dict))
+    per_round = -(-decode_tokens // rounds)
+    for batch in batches:
+        clocks = {retention: [] for retention in models}
+        for _ in range(rounds):
+            for retention, model in models.items():
+                cache, next_ids = expanded_copy(prefilled[retention][0], batch), prefilled[retention][1]
+                figures[retention]["cache_bytes"][batch] = cache_bytes(cache)
+                block, _ = decode_steps(model, cache, repeat_rows(next_ids, batch), per_round)
+                clocks[retention] += block
+                del cache
+        for retention in models:
+            figures[retention]["decode"][batch] = (statistics.median(c.cpu for c in clocks[retention]),
+                                                   statistics.median(c.wall for c in clocks[retention]))
+    return figures
+
+
+def long_context_peak_rss(teacher_cfg, cache_dir, keep_layers, context: int, batches, decode_tokens: int = 2) -> dict:
+    """{batch: peak resident bytes} of this process running one model, the teacher (`keep_layers` None) or its
+    naive student: prefill of `context` tokens at batch 1, then `decode_tokens` steps at each batch in turn (the
+    cache's rows repeated in place), each peak taken over everything up to that batch. Counted from the loaded
+    model (the teacher a student is built from is freed first). Meant for `in_fresh_process`."""
+    import gc
+
+    from tcal.calibration.stats import _rss_kib
+    from tcal.convert import build_student
+    from tcal.teachers.load import load_teacher
+
+    model, _ = load_teacher(teacher_cfg, cache_dir)
+    if keep_layers is not None:
+        model = build_student(model, keep_layers)
+    gc.collect()
+    _reset_peak_rss()
+    _, cache, next_ids = prefill(model, _context_ids(model.config.vocab_size, context))
+    peaks = {}
+    for batch in sorted(batches):
+        expand_cache_batch(cache, batch)
+        _, next_ids = decode_steps(model, cache, repeat_rows(next_ids, batch), decode_tokens)
+        peaks[batch] = _rss_kib("VmHWM") * 1024
+    return peaks
+
+
+def _long_context_lines(context: int, retention: float, teacher: dict, student: dict, peaks: dict, **extra):
+    """The JSON lines of one student against the teacher at one context (targets at retention 0.5 only). Times
+    are process CPU seconds (the ratio's), with the wall seconds beside them."""
+    def line(figure: str, batch: int, unit: str, teacher_value, student_value, **more) -> dict:
+        bound = LONG_CONTEXT_TARGETS.get((figure, context), LONG_CONTEXT_TARGETS.get((figure, None)))
+        target = {"target": f"ratio <= {bound}"} if bound is not None and retention == 0.5 else {}
+        return emit(figure, context=context, batch=batch, retention_ratio=retention,
+                    **{f"teacher_{unit}": teacher_value, f"student_{unit}": student_value},
+                    ratio=student_value / teacher_value, **more, **target, **extra)
+
+    def timed(figure: str, batch: int, teacher_cpu_wall, student_cpu_wall) -> dict:
+        return line(figure, batch, "s", teacher_cpu_wall[0], student_cpu_wall[0], teacher_wall_s=teacher_cpu_wall[1],
+                    student_wall_s=student_cpu_wall[1])
+
+    lines = [timed("prefill", 1, *((m["prefill"].cpu, m["prefill"].wall) for m in (teacher, student)))]
+    for batch in teacher["decode"]:
+        lines.append(timed("decode_per_token", batch, teacher["decode"][batch], student["decode"][batch]))
+        lines.append(line("cache_bytes", batch, "bytes", teacher["cache_bytes"][batch], student["cache_bytes"][batch]))
+        if peaks:
+            lines.append(line("peak_rss", batch, "bytes", peaks[TEACHER_RETENTION][batch], peaks[retention][batch]))
+    return lines
+
+
+def bench_longctx(teacher, teacher_cfg, cache_dir, ratios=LONG_CONTEXT_RATIOS, contexts=LONG_CONTEXTS,
+                  batches=LONG_CONTEXT_BATCHES, decode_tokens: int = LONG_CONTEXT_DECODE_TOKENS,
+                  peak_rss: bool = True) -> list[dict]:
+    """Prefill, decode per token, cache bytes and peak RSS of the naive uniform students at `ratios` against the
+    teacher, per context length. Times are measured in this process, teacher and students side by side; the peak
+    RSS of each model and context in a fresh process of its own (`long_context_peak_rss`)."""
+    from tcal.convert import build_student
+    from tcal.retention.uniform import uniform_layers
+
+    keep = {ratio: uniform_layers(teacher.config.num_hidden_layers, ratio) for ratio in ratios}
+    models = {TEACHER_RETENTION: teacher, **{ratio: build_student(teacher, keep[ratio]) for ratio in ratios}}
+    for model in models.values():  # warm-up: first-call allocations and lazy initialization
+        _, cache, next_ids = prefill(model, _context_ids(teacher.config.vocab_size, 64))
+        decode_steps(model, cache, next_ids, 2)
+    lines = []
+    for context in contexts:
+        timed = time_long_context(models, context, batches, decode_tokens)
+        peaks = {retention: in_fresh_process(long_context_peak_rss, teacher_cfg, str(cache_dir), keep.get(retention),
+                                             context, tuple(batches))
+                 for retention in models} if peak_rss else {}
+        for ratio in ratios:
+            lines += _long_context_lines(context, ratio, timed[TEACHER_RETENTION], timed[ratio], peaks,
+                                         model=teacher_cfg.name, threads=torch.get_num_threads(),
+                                         kv_layer=timed[TEACHER_RETENTION]["kv_layer"])
     return lines
 
 
@@ -214,17 +405,25 @@ def _fresh_process_child(fn, args, threads: int, queue) -> None:
 
 def in_fresh_process(fn, *args, env: dict | None = None):
     """`fn(*args)` in a fresh (spawned) process with this one's thread count and `env` added to its environment, so
-    one measurement's freed memory does not hide the next one's peak; returns what `fn` returns."""
+    its peak resident memory is its own: one measurement's freed memory cannot hide the next one's peak. `fn` must
+    be a module-level function and its result picklable; a child that dies is an error, not a hang."""
     import multiprocessing as mp
     import os
+    import queue as queues
     from unittest import mock
 
     spawn = mp.get_context("spawn")
-    queue = spawn.Queue()
-    proc = spawn.Process(target=_fresh_process_child, args=(fn, args, torch.get_num_threads(), queue))
+    results = spawn.Queue()
+    proc = spawn.Process(target=_fresh_process_child, args=(fn, args, torch.get_num_threads(), results))
     with mock.patch.dict(os.environ, env or {}):
         proc.start()
-    value = queue.get()
+    while True:
+        try:
+            value = results.get(timeout=5)
+            break
+        except queues.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{fn.__name__} died in its process (exit code {proc.exitcode})") from None
     proc.join()
     return value
 
@@ -422,8 +621,9 @@ def bench_stage1(teacher, keep_layers, batch=4, seq_len=512, steps=3, overrides=
                 threads=torch.get_num_threads(), target="ratio <= 1.2")
 
 
-def _kl_memory_child(vocab: int, hidden_size: int, tokens: int, chunk: int, dtype_name: str, queue) -> None:
-    """One fused-KL forward+backward on random heads; the peak resident growth over the loaded tensors."""
+def _kl_memory_child(vocab: int, hidden_size: int, tokens: int, chunk: int, dtype_name: str):
+    """One fused-KL forward+backward on random heads: (peak resident growth over the loaded tensors, the head
+    gradient's bytes, seconds)."""
     from tcal.calibration.stats import _rss_kib
     from tcal.training.kd import chunked_kd_loss
 
@@ -448,23 +648,17 @@ def _kl_memory_child(vocab: int, hidden_size: int, tokens: int, chunk: int, dtyp
     step()
     seconds = time.perf_counter() - start
     gradient_bytes = heads[0].weight.grad.numel() * heads[0].weight.grad.element_size()
-    queue.put(((_rss_kib("VmHWM") * 1024) - before, gradient_bytes, seconds))
+    return (_rss_kib("VmHWM") * 1024) - before, gradient_bytes, seconds
 
 
 def bench_kl_memory(vocab: int = 151_936, hidden_size: int = 1024, tokens: int = 1024, chunk: int = 256) -> list[dict]:
     """Peak memory one fused-KL step adds to its inputs and heads, for a Qwen-sized vocabulary: the head's
     gradient (which any backward makes) and, beyond it, how many chunks of float32 logits (chunk x vocab x 4
     bytes). Each dtype in a fresh process (peak RSS is per process)."""
-    import multiprocessing as mp
-
     lines = []
     for dtype_name in ("float32", "bfloat16"):
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_kl_memory_child, args=(vocab, hidden_size, tokens, chunk, dtype_name, queue))
-        proc.start()
-        extra, gradient_bytes, seconds = queue.get()
-        proc.join()
+        extra, gradient_bytes, seconds = in_fresh_process(_kl_memory_child, vocab, hidden_size, tokens, chunk,
+                                                          dtype_name)
         chunk_bytes = chunk * vocab * 4
         beyond = extra - gradient_bytes
         lines.append(emit(f"kl_memory_{dtype_name}", vocab=vocab, hidden=hidden_size, tokens=tokens, chunk=chunk,
@@ -478,8 +672,21 @@ def bench_kl_memory(vocab: int = 151_936, hidden_size: int = 1024, tokens: int =
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = ["gdn", "kl_memory", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain", "plan"]
-    parser.add_argument("groups", nargs="*", default=groups, choices=groups)
+    parser.add_argument("groups", nargs="*", default=groups, choices=[*groups, "longctx"])
     parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
+
+    def numbers(kind):
+        return lambda text: tuple(kind(part) for part in text.split(","))
+
+    long = parser.add_argument_group("longctx")
+    long.add_argument("--contexts", type=numbers(int), default=LONG_CONTEXTS, help="comma list of context lengths")
+    long.add_argument("--batches", type=numbers(int), default=LONG_CONTEXT_BATCHES, help="comma list of decode batches")
+    long.add_argument("--ratios", type=numbers(float), default=LONG_CONTEXT_RATIOS,
+                      help="comma list of retention ratios")
+    long.add_argument("--decode-tokens", type=int, default=LONG_CONTEXT_DECODE_TOKENS,
+                      help="decoding steps timed per model and batch (the figure is their median)")
+    long.add_argument("--no-peak-rss", dest="peak_rss", action="store_false",
+                      help="skip the peak-RSS processes (each repeats its model's prefill)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
@@ -507,6 +714,9 @@ def main(argv=None) -> None:
         teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
         if "student" in args.groups:
             bench_student(teacher, uniform_layers(teacher.config.num_hidden_layers, 0.5))
+        if "longctx" in args.groups:
+            bench_longctx(teacher, cfg.teacher, cfg.paths.cache_dir, args.ratios, args.contexts, args.batches,
+                          args.decode_tokens, args.peak_rss)
         if "stats" in args.groups:
             bench_stats(teacher)
         if "phase2" in args.groups:

@@ -33,26 +33,37 @@ def _announce(device: torch.device) -> None:
         log.info("GatedDeltaNet kernel path on %s: %s", device, path)
 
 
-def recurrent_step(q, k, v, g, beta, state, scale):
-    """One token of the gated delta rule. q, k: [B, H, K]; v: [B, H, V]; g, beta: [B, H]; state: [B, H, K, V]."""
-    state = state * g.exp()[..., None, None]
-    residual = v - torch.einsum("bhkv,bhk->bhv", state, k)
-    state = state + torch.einsum("bhk,bhv->bhkv", k, residual * beta[..., None])
-    return torch.einsum("bhkv,bhk->bhv", state, q * scale), state
+def recurrent_step(q, k, v, g, beta, state, scale, in_place: bool = False):
+    """One token of the gated delta rule. q, k: [B, H, K]; v: [B, H, V]; g, beta: [B, H]; state: [B, H, K, V]
+    (contiguous). With `in_place` the new state is written into `state` and `state` itself returned (decoding
+    without autograd: no new state tensor to allocate, none to copy into the cache; about 6x less time at batch
+    8). Batched matmuls over the contiguous state rather than einsum, which copied it transposed."""
+    decay = g.exp()[..., None, None]
+    state = state.mul_(decay) if in_place else state * decay
+    residual = (v - (k.unsqueeze(-2) @ state).squeeze(-2)) * beta[..., None]
+    flat, k_col, row = state.flatten(0, 1), k.flatten(0, 1).unsqueeze(-1), residual.flatten(0, 1).unsqueeze(-2)
+    if in_place:
+        flat.baddbmm_(k_col, row)  # state += k residual^T, through the flat view
+    else:
+        state = torch.baddbmm(flat, k_col, row).view_as(state)
+    return ((q * scale).unsqueeze(-2) @ state).squeeze(-2), state
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False):
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, update_state: bool = False):
     """o_t = S_t q_t / sqrt(K), S_t = exp(g_t)(S_{t-1} - beta_t S_{t-1} k_t k_t^T) + beta_t v_t k_t^T.
 
     q, k: [B, T, H, K] (already l2-normalized); v: [B, T, H, V]; g (log decay), beta: [B, T, H].
     The state is [B, H, K, V] in float32 on every path. Returns (o [B, T, H, V] float32, state or None).
+    `update_state`: a one-token step writes its final state into `initial_state` (a contiguous float32 tensor
+    outside autograd, e.g. the cache's) and returns that tensor.
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
     if q.shape[1] == 1:
         state = initial_state
         if state is None:
             state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
-        o, state = recurrent_step(*(t[:, 0].float() for t in (q, k, v, g, beta)), state.float(), scale)
+        in_place = update_state and initial_state is not None
+        o, state = recurrent_step(*(t[:, 0].float() for t in (q, k, v, g, beta)), state.float(), scale, in_place)
         return o[:, None], state if output_final_state else None
     if q.is_cuda:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -65,11 +76,35 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=Fa
     return chunk_gated_delta_rule_torch(q, k, v, g, beta, 64, scale, initial_state, output_final_state)
 
 
+INFERENCE_SEGMENT = 256  # tokens per piece of a chunked forward without autograd (rounded to whole chunks)
+
+
 def chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk_size=64, scale=None, initial_state=None,
                                  output_final_state=False):
     """The chunked (WY) gated delta rule in plain torch, float32; same maths as fla's
     `naive_chunk_gated_delta_rule`, with its 64-step Python loop for the in-chunk inverse replaced by one
-    triangular solve (about 2x less GDN time on CPU). Shapes as `gated_delta_rule`."""
+    triangular solve (about 2x less GDN time on CPU). Shapes as `gated_delta_rule`.
+
+    Without autograd a longer sequence runs INFERENCE_SEGMENT tokens at a time, the state carried from piece to
+    piece: the same chunks and the same results, but the per-chunk intermediates of a whole long sequence
+    outgrow the CPU caches (a prefill of 16k tokens took 2.4x the time, 4 x 4,096 eval windows 2.2x). With
+    autograd the sequence runs whole, which keeps the backward faster."""
+    segment = max(INFERENCE_SEGMENT // chunk_size, 1) * chunk_size
+    inputs = (q, k, v, g, beta, initial_state)
+    recording = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if recording or q.shape[1] <= segment:
+        return _chunk_rule(q, k, v, g, beta, chunk_size, scale, initial_state, output_final_state)
+    outputs, state = [], initial_state
+    for start in range(0, q.shape[1], segment):
+        piece = slice(start, start + segment)
+        o, state = _chunk_rule(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], chunk_size,
+                               scale, state, True)
+        outputs.append(o)
+    return torch.cat(outputs, 1), state if output_final_state else None
+
+
+def _chunk_rule(q, k, v, g, beta, chunk_size, scale, initial_state, output_final_state):
+    """`chunk_gated_delta_rule_torch` over the whole sequence at once."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -183,12 +218,13 @@ class GatedDeltaNet(nn.Module):
         return q, k, v
 
     def mix(self, x: torch.Tensor, mask: torch.Tensor | None = None, initial_state=None,
-            output_final_state: bool = False):
-        """The recurrence's output o [B, T, H, dh] (float32, before the gated norm) and the final state."""
+            output_final_state: bool = False, update_state: bool = False):
+        """The recurrence's output o [B, T, H, dh] (float32, before the gated norm) and the final state
+        (`update_state`: see `gated_delta_rule`)."""
         _announce(x.device)
         q, k, v = self.qkv(x)
         g, beta = self.gates(x, mask)
-        return gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state)
+        return gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state, update_state)
 
     def project_out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y = Wo(RMSNorm(o) * silu(Wg x)), per head."""
@@ -201,9 +237,11 @@ class GatedDeltaNet(nn.Module):
         as the 2D `linear_attention_mask` ([B, T], 1 = token) trimmed to this call's positions."""
         if cache is None and self.checkpoint_training and self.training and torch.is_grad_enabled():
             return checkpoint(self._mix_out, hidden_states, linear_attention_mask, use_reentrant=False), None
-        state = _cached_state(cache, self.layer_idx) if cache is not None else None
-        o, state = self.mix(hidden_states, linear_attention_mask, state, output_final_state=cache is not None)
-        if cache is not None:
+        cached = _cached_state(cache, self.layer_idx) if cache is not None else None
+        # Without autograd a decoding step updates the cached state in place instead of copying a new one into it.
+        o, state = self.mix(hidden_states, linear_attention_mask, cached, output_final_state=cache is not None,
+                            update_state=not torch.is_grad_enabled())
+        if cache is not None and state is not cached:
             cache.update_recurrent_state(state, self.layer_idx)
         return self.project_out(o, hidden_states), None
 

@@ -3,7 +3,8 @@
 The student *is* the teacher's own base model (LlamaModel, Qwen2Model, ...) with the `self_attn` of every
 `linear_attention` layer swapped for a `GatedDeltaNet`. Parameter names therefore match the teacher's
 (`model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`), kept layers run the teacher's attention code
-unchanged, and the GDN layers keep their state in transformers' hybrid `DynamicCache`.
+unchanged, and the GDN layers keep their state in transformers' hybrid `DynamicCache`, whose kept layers append
+their keys and values in place (`GrowingKVLayer`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -71,6 +73,54 @@ class HybridConfig(PreTrainedConfig):
         return [i for i, kind in enumerate(self.layer_types) if kind == LINEAR]
 
 
+KV_RESERVE = 128  # positions a KV buffer keeps free at least when it is (re)allocated (and 1/8 of its length)
+
+
+def _append_in_place(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`cached` [B, H, n, D] followed by `new` [B, H, m, D], as a view of a buffer: written in place after
+    `cached` when `cached` is the start of a buffer with room (what this function returns), otherwise into a new
+    buffer with room for max(KV_RESERVE, length / 8) more positions. Anything that replaced the tensor (beam
+    reordering, cropping, a copy) is noticed and costs one reallocation."""
+    length = cached.shape[-2] if cached.numel() else 0
+    total = length + new.shape[-2]
+    buffer = cached._base
+    fits = (buffer is not None and buffer.dim() == 4 and buffer.shape[:2] == new.shape[:2]
+            and buffer.shape[-1] == new.shape[-1] and buffer.shape[-2] >= total and buffer.dtype == new.dtype
+            and buffer.device == new.device and cached.data_ptr() == buffer.data_ptr()
+            and cached.stride() == buffer.stride())
+    if not fits:
+        buffer = new.new_empty(*new.shape[:2], total + max(KV_RESERVE, total // 8), new.shape[-1])
+        if length:
+            buffer[:, :, :length].copy_(cached)
+    buffer[:, :, length:total].copy_(new)
+    return buffer[:, :, :total]
+
+
+class GrowingKVLayer(DynamicLayer):
+    """A kept layer's KV cache that appends in place. transformers' `DynamicLayer` concatenates, copying the whole
+    cache at every decoded token: at 16k tokens that copy cost as much as the attention itself. Here keys and
+    values are views of buffers with spare room, so a step writes one position; the buffers hold up to 1/8 (and
+    at least KV_RESERVE positions) more than the cache. With autograd recording it concatenates like its parent
+    (a buffer written in place would invalidate the views saved for backward)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = _append_in_place(self.keys, key_states)
+        self.values = _append_in_place(self.values, value_states)
+        return self.keys, self.values
+
+
+def use_growing_kv(cache):
+    """`cache` with each of its empty plain `DynamicLayer`s (softmax layers not yet written) replaced by a
+    `GrowingKVLayer`; the linear-attention layers and any layer holding data stay as they are."""
+    cache.layers = [GrowingKVLayer() if type(layer) is DynamicLayer and not layer.is_initialized else layer
+                    for layer in cache.layers]
+    return cache
+
+
 class HybridPreTrainedModel(PreTrainedModel):
     config: HybridConfig
     config_class = HybridConfig
@@ -113,6 +163,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        if cache is not None:
+            use_growing_kv(cache)  # also the caches generate() and callers make
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,

@@ -1,7 +1,8 @@
 """`tcal-report`: turn a run or multirun folder of results.json files into the paper's tables and plots.
 
-Writes report.md, one CSV per table (same cells as the Markdown) and one PNG of perplexity against
-tokens seen per teacher x policy x ratio x eval set, then prints the Markdown. Runs that cannot be
+Writes report.md, one CSV per table (same cells as the Markdown), one PNG of perplexity against tokens seen
+and, for runs evaluated with `eval.position_buckets`, one PNG of the student/teacher perplexity ratio against
+position in the window, per teacher x policy x ratio x eval set, then prints the Markdown. Runs that cannot be
 used are listed with the reason, never dropped silently; failed runs (status "failed": a bad setting in a
 sweep job, divergence, a crash) are listed apart with their error.
 """
@@ -14,7 +15,7 @@ import io
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tcal.evaluate.local_tasks import nlu_average
@@ -79,6 +80,7 @@ class Run:
     curve: list[tuple[int, dict[str, float]]]
     stage: str = "none"               # the training stages the run ended with (none = zero-shot)
     tokens_trained: int = 0           # tokens seen over all its stages
+    by_position: dict[str, list[dict]] = field(default_factory=dict)  # eval set -> buckets (results.json's)
 
     @property
     def group(self) -> tuple[str, str, float]:
@@ -137,9 +139,16 @@ def _normalize(path: Path, data: dict) -> Run:
         ruler={role: _mean(v for by_task in (ruler.get(role) or {}).values() for v in by_task.values())
                for role in ("teacher", "student")},
         curve=_curve_points(data.get("curve") or {}),
+        by_position={name: [_position_bucket(b) for b in m["by_position"]] for name, m in metrics.items()
+                     if isinstance(m, dict) and m.get("by_position")},
         stage=str(data.get("stage") or (data.get("config") or {}).get("stage", {}).get("name", "none")),
         tokens_trained=sum(int(r.get("tokens_seen", 0)) for r in (data.get("stages") or {}).values()),
     )
+
+
+def _position_bucket(bucket: dict) -> dict:
+    return {"start": int(bucket["start"]), "end": int(bucket["end"]), "teacher_ppl": float(bucket["teacher_ppl"]),
+            "student_ppl": float(bucket["student_ppl"])}
 
 
 def _curve_points(curve: dict) -> list[tuple[int, dict[str, float]]]:
@@ -368,6 +377,35 @@ def after_training_table(runs: list[Run]) -> Table:
     return header, rows
 
 
+def _position_series(by_init: dict[str, Run], eval_set: str) -> tuple[list[tuple[int, int]], dict[str, dict]]:
+    """The buckets any init has for `eval_set` ([(start, end)] by start) and {init: {(start, end): bucket}}."""
+    per_init = {init: {(b["start"], b["end"]): b for b in run.by_position.get(eval_set, [])}
+                for init, run in by_init.items()}
+    per_init = {init: buckets for init, buckets in per_init.items() if buckets}
+    return sorted({key for buckets in per_init.values() for key in buckets}), per_init
+
+
+def position_table(runs: list[Run]) -> Table:
+    """Zero-shot perplexity per bucket of positions within the window: the teacher's, then each init's and its
+    ratio to the teacher's."""
+    inits = [i for i in _init_columns(runs) if any(r.init == i and r.by_position for r in runs)]
+    header = ["teacher", "policy", "ratio", "eval set", "positions", "teacher PPL",
+              *(cell for init in inits for cell in (f"{init} PPL", f"{init}/teacher"))]
+    rows = []
+    for group, by_init in _groups(runs).items():
+        for eval_set in sorted({s for run in by_init.values() for s in run.by_position}):
+            buckets, per_init = _position_series(by_init, eval_set)
+            for key in buckets:
+                teacher_ppl = next(b[key]["teacher_ppl"] for b in per_init.values() if key in b)
+                cells = []
+                for init in inits:
+                    bucket = per_init.get(init, {}).get(key)
+                    cells += ([fmt_ppl(bucket["student_ppl"]), fmt_ratio(bucket["student_ppl"] / teacher_ppl)]
+                              if bucket else [MISSING, MISSING])
+                rows.append([*_row_head(group, eval_set), f"{key[0]}-{key[1] - 1}", fmt_ppl(teacher_ppl), *cells])
+    return header, rows
+
+
 # --- output ---
 
 def markdown_table(table: Table) -> str:
@@ -416,6 +454,39 @@ def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
     return paths
 
 
+def plot_positions(runs: list[Run], out_dir: Path) -> list[Path]:
+    """One PNG of student/teacher perplexity against position (each bucket at its middle, log scale) per
+    teacher x policy x ratio x eval set of the zero-shot runs, a line per init."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    paths = []
+    inits = _init_columns(runs)
+    for (teacher, policy, ratio), by_init in _groups(runs).items():
+        for eval_set in sorted({s for run in by_init.values() for s in run.by_position}):
+            _, per_init = _position_series(by_init, eval_set)
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for init in (i for i in inits if i in per_init):
+                buckets = sorted(per_init[init].values(), key=lambda b: b["start"])
+                ax.plot([(b["start"] + b["end"]) / 2 for b in buckets],
+                        [b["student_ppl"] / b["teacher_ppl"] for b in buckets], marker="o", label=init)
+            ax.axhline(1.0, color="gray", linestyle="--", label="teacher")
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set(yscale="log", xlabel="position in the window (bucket middle)",
+                   ylabel=f"student / teacher perplexity ({eval_set})", title=f"{teacher} / {policy} / ratio {ratio:g}")
+            ax.legend()
+            path = out_dir / f"{_slug('position', teacher, policy, f'r{ratio:g}', eval_set)}.png"
+            write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+            plt.close(fig)
+            paths.append(path)
+    return paths
+
+
 def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calibrated: list[str] | None = None,
                  logger=None) -> str:
     """Write every table, CSV and plot into `out_dir`; return the Markdown. A Lightning `logger` (W&B)
@@ -430,15 +501,20 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
               "token_efficiency": (f"Token efficiency: Stage 2 tokens to reach each target, interpolated between "
                                    f"evaluations; gain = {baseline} tokens / the init's tokens", efficiency,
                                    efficiency_notes),
-              "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs), [])}
+              "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs), []),
+              "by_position": ("Zero-shot perplexity by position in the window (student PPL and student/teacher per "
+                              "bucket of positions)", position_table(runs), [])}
     counts = f"{len(runs)} complete runs, {len(failed)} failed, {len(problems)} incomplete."
-    parts = [f"# tcal report: {folder}\n\n{counts}\n"]
+    parts = [f"# tcal report: {folder}
+
+{counts}
+"]
     for name, (title, table, notes) in tables.items():
         write_csv(out_dir / f"{name}.csv", table)
         log_table(logger, name, *table)
         listed_notes = "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")
         parts.append(f"## {title}\n\n{markdown_table(table)}{listed_notes}")
-    plots = plot_curves(runs, out_dir)
+    plots = plot_curves(runs, out_dir) + plot_positions(runs, out_dir)
     parts.append("## Plots\n\n" + ("".join(f"- ![{p.stem}]({p.name})\n" for p in plots) or "_No curves._\n"))
     for title, listed in (("Failed runs", failed), ("Incomplete runs", problems)):
         lines = "".join(f"- `{path.relative_to(folder)}`: {why}\n" for path, why in listed)

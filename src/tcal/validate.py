@@ -250,6 +250,15 @@ def check_eval(cfg) -> None:
     window_length("eval.seq_len", ev.seq_len)
     one_of("eval.harness.name", ev.harness.name, HARNESSES)
     one_of("eval.ruler.name", ev.ruler.name, RULERS)
+    buckets = ev.get("position_buckets")
+    if buckets is not None:
+        starts = list(buckets) if isinstance(buckets, (list, ListConfig)) else None
+        ok = (isinstance(starts, list) and starts and starts[0] == 0
+              and all(isinstance(s, int) and not isinstance(s, bool) for s in starts)
+              and all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < ev.seq_len)
+        if not ok:
+            raise ConfigError(f"eval.position_buckets={buckets}; expected null or increasing integers from 0, each "
+                              f"below eval.seq_len={ev.seq_len} (the first position of each bucket)")
 
 
 def check_stages(cfg) -> None:

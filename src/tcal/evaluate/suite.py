@@ -12,7 +12,7 @@ import logging
 from tcal.cache_entry import get_or_build, read_json_entry, write_json
 from tcal.data import Document, eval_sets, token_windows
 from tcal.distributed import shared_entry
-from tcal.evaluate.validation import validated_perplexities
+from tcal.evaluate.validation import validate_windows
 from tcal.fingerprint import digest, plain, teacher_fingerprint
 
 log = logging.getLogger(__name__)
@@ -43,22 +43,52 @@ def cached_teacher(ctx, kind: str, settings, compute, collective: bool = False):
     return shared_entry(ctx.ranks, read, compute, lambda value: write(path, value), locked)
 
 
+def position_buckets(eval_cfg) -> tuple[int, ...] | None:
+    """`eval.position_buckets` as a tuple of bucket starts, or None when off."""
+    buckets = eval_cfg.get("position_buckets")
+    return tuple(int(start) for start in buckets) if buckets else None
+
+
 def perplexities(ctx, student) -> dict:
-    """{eval set: {teacher_ppl, student_ppl}} on windows of `eval.seq_len` tokens (every rank takes part)."""
+    """{eval set: {teacher_ppl, student_ppl}} on windows of `eval.seq_len` tokens (every rank takes part); with
+    `eval.position_buckets` also `by_position`: [{start, end, tokens, teacher_ppl, student_ppl}, ...] per bucket
+    of positions within the window."""
     cfg = ctx.cfg.eval
+    buckets = position_buckets(cfg)
     windows, settings = {}, {}
     for name, docs in eval_sets(ctx.cfg.data, ctx.splits).items():
         windows[name] = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
         settings[name] = {"docs": _docs_digest(docs), "seq_len": int(cfg.seq_len), "num_windows": int(cfg.num_windows)}
+        if buckets:
+            settings[name]["position_buckets"] = list(buckets)
 
-    def ppl(model, names) -> dict:
-        return validated_perplexities(model, {n: windows[n] for n in names}, int(cfg.batch_size), ctx.cfg.trainer,
-                                      ctx.ranks)
+    def validate(model, names):
+        return validate_windows(model, {n: windows[n] for n in names}, int(cfg.batch_size), ctx.cfg.trainer,
+                                ctx.ranks, buckets)
 
-    student_ppl = ppl(student, list(windows))
-    return {name: {"teacher_ppl": cached_teacher(ctx, "ppl", settings[name], lambda n=name: ppl(ctx.teacher, [n])[n],
-                                                 collective=True),
-                   "student_ppl": student_ppl[name]} for name in windows}
+    def teacher_figures(name) -> dict:
+        done = validate(ctx.teacher, [name])
+        return {"ppl": done.perplexities[name], "by_position": done.by_position.get(name)}
+
+    def teacher_cached(name) -> dict:
+        """The teacher's figures, memoized; the plain perplexity keeps its own cache kind (a bare number)."""
+        if buckets:
+            return cached_teacher(ctx, "ppl_by_position", settings[name], lambda: teacher_figures(name),
+                                  collective=True)
+        return {"ppl": cached_teacher(ctx, "ppl", settings[name], lambda: teacher_figures(name)["ppl"],
+                                      collective=True)}
+
+    student_done = validate(student, list(windows))
+    out = {}
+    for name in windows:
+        teacher = teacher_cached(name)
+        out[name] = {"teacher_ppl": teacher["ppl"], "student_ppl": student_done.perplexities[name]}
+        if buckets:
+            out[name]["by_position"] = [
+                {"start": bucket["start"], "end": bucket["end"], "tokens": bucket["tokens"],
+                 "teacher_ppl": teacher_bucket["ppl"], "student_ppl": bucket["ppl"]}
+                for teacher_bucket, bucket in zip(teacher["by_position"], student_done.by_position[name], strict=True)]
+    return out
 
 
 def harness(ctx, student) -> dict | None:

@@ -2,7 +2,7 @@
 reduced over ranks, so every rank evaluates its share of the windows under the run's strategy.
 
 The training stages validate at token 0, every `eval_every_tokens` and at the end (their curve); the zero-shot
-and final evaluation run the same step through `validated_perplexities`. On one process the windows are read
+and final evaluation run the same step through `validate_windows`. On one process the windows are read
 in order in batches of `eval.batch_size`, exactly as `tcal.evaluate.perplexity.perplexity` reads them.
 """
 
@@ -14,7 +14,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from tcal.evaluate.perplexity import batch_nll
+from tcal.evaluate.perplexity import nll_sums, position_nll_sums, token_nll
 
 
 class RankWindows(Dataset):
@@ -40,11 +40,18 @@ def eval_dataloaders(eval_windows: dict[str, torch.Tensor], batch_size: int, ran
             for windows in eval_windows.values()]
 
 
+def _ppl(nll: float, tokens: float) -> float:
+    return math.exp(nll / tokens) if tokens else float("nan")
+
+
 class PerplexityValidation(L.LightningModule):
     """`validation_step` for the model `evaluated()` returns: per eval set (dataloader), the summed next-token NLL
-    and token count, reduced over ranks at the end of the epoch and handed to `on_perplexities`."""
+    and token count, reduced over ranks at the end of the epoch and handed to `on_perplexities`. With
+    `position_buckets` (the first position of each bucket) the same sums are also kept per bucket of positions
+    within the window, reduced alike, and left in `by_position`."""
 
     eval_names: list[str] = []
+    position_buckets: tuple[int, ...] | None = None
 
     def evaluated(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -53,30 +60,55 @@ class PerplexityValidation(L.LightningModule):
         raise NotImplementedError
 
     def on_validation_epoch_start(self) -> None:
-        self._nll_sums = torch.zeros(len(self.eval_names), 2, dtype=torch.float64, device=self.device)
+        sets = len(self.eval_names)
+        self._nll_sums = torch.zeros(sets, 2, dtype=torch.float64, device=self.device)
+        self._window_lengths = [0] * sets
+        if self.position_buckets:
+            self._bucket_sums = torch.zeros(sets, len(self.position_buckets), 2, dtype=torch.float64,
+                                            device=self.device)
 
     def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         windows, weights = batch
-        nll, count = batch_nll(self.evaluated(), windows, weights)
-        self._nll_sums[dataloader_idx, 0] += nll
+        nll = token_nll(self.evaluated(), windows)
+        total, count = nll_sums(nll, weights)
+        self._nll_sums[dataloader_idx, 0] += total
         self._nll_sums[dataloader_idx, 1] += count
+        self._window_lengths[dataloader_idx] = windows.shape[1]
+        if self.position_buckets:
+            self._bucket_sums[dataloader_idx] += position_nll_sums(nll, self.position_buckets, weights)
 
     def on_validation_epoch_end(self) -> None:
-        sums = self.trainer.strategy.reduce(self._nll_sums, reduce_op="sum")
-        ppl = {name: math.exp(float(sums[i, 0]) / float(sums[i, 1])) if float(sums[i, 1]) else float("nan")
-               for i, name in enumerate(self.eval_names)}
+        reduce = self.trainer.strategy.reduce
+        sums = reduce(self._nll_sums, reduce_op="sum")
+        ppl = {name: _ppl(float(sums[i, 0]), float(sums[i, 1])) for i, name in enumerate(self.eval_names)}
+        if self.position_buckets:
+            self.by_position = self._position_perplexities(reduce(self._bucket_sums, reduce_op="sum"))
         self.on_perplexities(ppl)
+
+    def _position_perplexities(self, sums: torch.Tensor) -> dict[str, list[dict]]:
+        """{eval set: [{"start", "end", "tokens", "ppl"}, ...]}: each bucket's positions [start, end) and the
+        perplexity of its tokens; buckets past the window's end are left out."""
+        out = {}
+        for i, name in enumerate(self.eval_names):
+            length = self._window_lengths[i]
+            ends = [*self.position_buckets[1:], length]
+            out[name] = [{"start": start, "end": min(end, length), "tokens": round(float(tokens)),
+                          "ppl": _ppl(float(nll), float(tokens))}
+                         for (nll, tokens), start, end in zip(sums[i].tolist(), self.position_buckets, ends) if tokens]
+        return out
 
 
 class EvaluatedModel(PerplexityValidation):
     """A frozen model (teacher or student) to validate; held outside the module tree, so Lightning neither
     wraps it nor moves it back to the CPU when the loop ends."""
 
-    def __init__(self, model: torch.nn.Module, eval_names: list[str]):
+    def __init__(self, model: torch.nn.Module, eval_names: list[str], position_buckets=None):
         super().__init__()
         self._frozen = {"model": model}
         self.eval_names = list(eval_names)
+        self.position_buckets = tuple(int(start) for start in position_buckets) if position_buckets else None
         self.perplexities: dict[str, float] = {}
+        self.by_position: dict[str, list[dict]] = {}
 
     def evaluated(self) -> torch.nn.Module:
         return self._frozen["model"]
@@ -93,14 +125,16 @@ def eval_trainer(trainer_cfg, world: int) -> L.Trainer:
                      enable_model_summary=False, enable_checkpointing=False, inference_mode=False)
 
 
-def validated_perplexities(model: torch.nn.Module, eval_windows: dict[str, torch.Tensor], batch_size: int,
-                           trainer_cfg, ranks) -> dict[str, float]:
-    """{eval set: perplexity} of `model` (already on this rank's device), every rank evaluating its share."""
-    module = EvaluatedModel(model, list(eval_windows))
+def validate_windows(model: torch.nn.Module, eval_windows: dict[str, torch.Tensor], batch_size: int, trainer_cfg,
+                     ranks, position_buckets=None) -> EvaluatedModel:
+    """Validate `model` (already on this rank's device) on every eval set, each rank its share; the result holds
+    `perplexities` ({eval set: perplexity}) and, with `position_buckets`, `by_position`."""
+    module = EvaluatedModel(model, list(eval_windows), position_buckets)
     was_training = model.training
     model.eval()
     trainer = eval_trainer(trainer_cfg, ranks.world_size)
     trainer.validate(module, dataloaders=eval_dataloaders(eval_windows, batch_size, ranks.rank, ranks.world_size),
                      verbose=False)
     model.train(was_training)
-    return module.perplexities
+    return module
+
