@@ -505,10 +505,7 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
               "by_position": ("Zero-shot perplexity by position in the window (student PPL and student/teacher per "
                               "bucket of positions)", position_table(runs), [])}
     counts = f"{len(runs)} complete runs, {len(failed)} failed, {len(problems)} incomplete."
-    parts = [f"# tcal report: {folder}
-
-{counts}
-"]
+    parts = [f"# tcal report: {folder}\n\n{counts}\n"]
     for name, (title, table, notes) in tables.items():
         write_csv(out_dir / f"{name}.csv", table)
         log_table(logger, name, *table)
