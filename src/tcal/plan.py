@@ -158,7 +158,7 @@ class _FlaChunk(torch.autograd.Function):
         raise NotImplementedError
 
 
-def _fla_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False):
+def _fla_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False, update_state=False):
     return _FlaChunk.apply(q, k, v, g, beta), None
 
 
