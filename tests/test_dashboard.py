@@ -53,6 +53,7 @@ def test_offline_spec_of_a_tiny_sweep(tiny_sweep, no_credentials, capsys):
     assert (f"W&B report not pushed (no WANDB_API_KEY and no api.wandb.ai entry in ~/.netrc): push it with "
             f"`WANDB_API_KEY=<key> tcal-report {tiny_sweep} --wandb my-team/tcal`") in out.splitlines()
     assert f"W&B report spec: 1 sections, 1 line panels, 2 tables -> {path}" in out.splitlines()
+    assert any(line.startswith("note: 2 of 2 runs did not log to W&B (logger=csv, e.g. ") for line in out.splitlines())
     spec = json.loads(path.read_text())
     assert (spec["entity"], spec["project"], spec["kind"]) == ("my-team", "tcal", "report")
 
@@ -99,6 +100,9 @@ def test_sections_split_by_teacher_policy_ratio_and_skip_cached_stages(tiny_swee
         ["align/ppl/shakespeare", "distill/ppl/shakespeare"], ["distill/ppl/shakespeare"],
         ["distill/ppl/shakespeare"]]
     assert [s["grids"][0]["inits"] for s in spec["sections"]] == [["naive"], list(INITS), ["naive"]]
+
+    on_wandb = [dataclasses.replace(m, logger="wandb", project=project) for m, project in zip(logged, ("p", "q"))]
+    assert dashboard.logging_notes(on_wandb, "p") == ["some runs logged to W&B project 'q', not 'p'"]
 
     record = json.loads(naive.run.path.read_text())
     record["stages"]["distill"]["cached"] = True  # a reused stage logs nothing in this run
