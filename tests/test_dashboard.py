@@ -85,7 +85,8 @@ def test_offline_spec_of_a_tiny_sweep(tiny_sweep, no_credentials, capsys):
 
 
 def test_sections_split_by_teacher_policy_ratio_and_skip_cached_stages(tiny_sweep):
-    logged = load_logged_runs(tiny_sweep)
+    logged, notes = load_logged_runs(tiny_sweep)
+    assert len(logged) == 2 and notes == []
     naive = next(m for m in logged if m.run.init_mode == "naive")
     other_policy = dataclasses.replace(naive, run=dataclasses.replace(naive.run, policy="ar"),
                                        selectors={**naive.selectors, "retention.name": "ar"})
@@ -109,9 +110,23 @@ def test_sections_split_by_teacher_policy_ratio_and_skip_cached_stages(tiny_swee
     assert dashboard.logged_run(naive.run, record).curves == {}
 
 
+def test_a_record_without_config_is_named_and_left_out(tiny_sweep, tmp_path):
+    folder = tmp_path / "copy"
+    for record_path in tiny_sweep.glob("*/results.json"):
+        record = json.loads(record_path.read_text())
+        if record["init_mode"] == "naive":
+            del record["config"]["stage"]
+        (folder / record_path.parent.name).mkdir(parents=True)
+        (folder / record_path.parent.name / "results.json").write_text(json.dumps(record))
+    logged, notes = load_logged_runs(folder)
+    assert [m.run.init_mode for m in logged] == ["zero_gate"]
+    [naive_dir] = [p.parent for p in folder.glob("*/results.json") if p.parent.name != logged[0].run.path.parent.name]
+    assert notes == [f"{naive_dir / 'results.json'}: no config key 'stage' in the record; left out of the W&B report"]
+
+
 def test_spec_becomes_a_report_without_network(tiny_sweep, no_credentials, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    spec = dashboard_spec(load_logged_runs(tiny_sweep), "my-team", "tcal", "tiny")
+    spec = dashboard_spec(load_logged_runs(tiny_sweep)[0], "my-team", "tcal", "tiny")
     report = to_report(spec)
     assert (report.entity, report.project, report.title) == ("my-team", "tcal", "tiny")
     [grid] = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]

@@ -116,10 +116,17 @@ def dashboard_spec(logged: list[LoggedRun], entity: str, project: str, title: st
             "sections": _sections(logged), "tables": tables}
 
 
-def load_logged_runs(folder: Path) -> list[LoggedRun]:
-    """The complete runs below `folder`, read by `tcal-report`'s `collect`, with their records."""
+def load_logged_runs(folder: Path) -> tuple[list[LoggedRun], list[str]]:
+    """The complete runs below `folder`, read by `tcal-report`'s `collect`, with their records; and a note for
+    each record whose config lacks a key the dashboard needs (that run is left out)."""
     runs, _, _ = collect(folder)
-    return [logged_run(run, json.loads(run.path.read_text(encoding="utf-8"))) for run in runs]
+    logged, notes = [], []
+    for run in runs:
+        try:
+            logged.append(logged_run(run, json.loads(run.path.read_text(encoding="utf-8"))))
+        except (KeyError, TypeError) as err:
+            notes.append(f"{run.path}: no config key {err} in the record; left out of the W&B report")
+    return logged, notes
 
 
 def logging_notes(logged: list[LoggedRun], project: str) -> list[str]:
@@ -190,14 +197,14 @@ def publish(folder: Path, out_dir: Path, target: tuple[str, str], baseline: str 
             calibrated: list[str] | None = None) -> int:
     """Write the spec into `out_dir`; save it to W&B when credentials allow, else say how. Exit status."""
     entity, project = target
-    logged = load_logged_runs(folder)
+    logged, notes = load_logged_runs(folder)
     spec = dashboard_spec(logged, entity, project, f"tcal: {Path(folder).resolve().name}", baseline, calibrated)
     path = Path(out_dir) / SPEC_FILE
     write_text_atomic(path, json.dumps(spec, indent=2) + "\n")
     panels = sum(len(grid["panels"]) for section in spec["sections"] for grid in section["grids"])
     print(f"W&B report spec: {len(spec['sections'])} sections, {panels} line panels, {len(spec['tables'])} tables "
           f"-> {path}")
-    for note in logging_notes(logged, project):
+    for note in notes + logging_notes(logged, project):
         print(f"note: {note}")
     missing = missing_for_push()
     if missing:
