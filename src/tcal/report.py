@@ -522,6 +522,8 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tcal.dashboard import publish, wandb_target  # it builds on this module's tables
+
     parser = argparse.ArgumentParser(prog="tcal-report", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a run or multirun folder (searched recursively)")
     parser.add_argument("--out", type=Path, help="output folder (default: FOLDER/report)")
@@ -529,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrated", type=lambda text: [init.strip() for init in text.split(",")],
                         help="comma-separated inits compared with the baseline (default: every other init with a curve)")
     parser.add_argument("--wandb-project", help="also log the tables to this W&B project (WANDB_MODE=offline works)")
+    parser.add_argument("--wandb", type=wandb_target, metavar="ENTITY/PROJECT",
+                        help="also build the W&B report of init curves and tables (tcal.dashboard); saved there "
+                             "with credentials, else its spec is written to the output folder")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder")
@@ -539,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                               config={"folder": str(args.folder)})
     print(build_report(args.folder, out, args.baseline, args.calibrated, logger))
     finish(logger)
-    return 0
+    return publish(args.folder, out, args.wandb, args.baseline, args.calibrated) if args.wandb else 0
 
 
 if __name__ == "__main__":

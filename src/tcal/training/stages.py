@@ -20,6 +20,7 @@ from tcal.calibration.align import alignment_loss, capture_teacher_io
 from tcal.evaluate.validation import PerplexityValidation
 from tcal.errors import Divergence
 from tcal.fingerprint import weights_digest
+from tcal.tracking import curve_metric, tokens_metric
 from tcal.training.kd import chunked_kd_loss
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class StageModule(PerplexityValidation):
         start_time, start_tokens = self._clock or (now, self.tokens_seen)
         speed = (self.tokens_seen - start_tokens) / (now - start_time) if now > start_time else 0.0
         metrics = {f"{self.kind}/loss": loss.detach(), **{f"{self.kind}/{k}": v for k, v in extra.items()},
-                   f"{self.kind}/tokens_seen": float(self.tokens_seen), "step": float(self.tokens_seen)}
+                   tokens_metric(self.kind): float(self.tokens_seen), "step": float(self.tokens_seen)}
         self.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         self.log_dict({"tokens": float(self.tokens_seen), "tok/s": speed}, prog_bar=True, logger=False,
                       on_step=True, on_epoch=False, rank_zero_only=True)
@@ -174,9 +175,9 @@ class StageModule(PerplexityValidation):
             return
         for name, value in ppl.items():
             self.curve[name].append({"tokens": tokens, "ppl": value})
-        metrics = {f"{self.kind}/ppl/{name}": value for name, value in ppl.items()}
+        metrics = {curve_metric(self.kind, name): value for name, value in ppl.items()}
         for logger in self.trainer.loggers:
-            logger.log_metrics({**metrics, f"{self.kind}/tokens_seen": float(tokens)}, step=tokens)
+            logger.log_metrics({**metrics, tokens_metric(self.kind): float(tokens)}, step=tokens)
         log.info("%s at %d tokens: %s", self.kind, tokens, ", ".join(f"ppl {n} {v:.2f}" for n, v in ppl.items()))
         self.on_curve(self.curve)
 
