@@ -25,7 +25,7 @@ as one unit, so every forward and backward gathers all of its weights and gradie
 optimizer states are sharded. The peak is the sum of all of them, at the end of a forward: Lightning zeroes the
 gradients between the forward and the backward, so the previous step's are still held. It counts allocated tensors:
 not CUDA's context, nor free memory an allocator keeps (glibc's heap on the CPU, PyTorch's cache on CUDA).
-`tcal-bench plan` checks it against a measured Stage 2. A configuration error prints one line and exits with code 2,
+`make bench ARGS=plan` checks it against a measured Stage 2. A configuration error prints one line and exits with code 2,
 as `tcal` does.
 """
 
@@ -48,7 +48,8 @@ from tcal.errors import ConfigError
 
 GB = 2**30
 DEEPSPEED_BUCKET_ELEMENTS = 200_000_000  # Lightning's DeepSpeedStrategy reduce_bucket_size and allgather_bucket_size
-KL_CHUNK_TENSORS = 3  # [chunk, vocab] float32 tensors alive at once in one chunk of the fused KL (kd.py; tcal-bench kl_memory)
+# [chunk, vocab] float32 tensors alive at once in one chunk of the fused KL (kd.py; `make bench ARGS=kl_memory`)
+KL_CHUNK_TENSORS = 3
 FLA_CHUNK = 64  # fla's chunk size: its WY matrix A is [B, T, H, 64]
 
 
