@@ -629,14 +629,23 @@ def compose_config(overrides: list[str]):
 
 
 def expand_sweeps(overrides: list[str]) -> list[list[str]]:
-    """`group=a,b` arguments of config groups expand into one override list per combination (as `tcal -m`)."""
-    from tcal.app import group_options
+    """Sweeps of config groups (`group=a,b`, `group=choice(a,b)`) expand into one override list per combination (as
+    `tcal -m`); every other argument, one Hydra's grammar cannot read included, is kept as it is."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
 
-    choices = []
+    from tcal.app import chosen_options, group_options
+
+    parser, choices = OverridesParser.create(), []
     for arg in overrides:
-        key, sep, value = arg.partition("=")
-        sweep = sep and "," in value and group_options(key.lstrip("+~")) is not None
-        choices.append([f"{key}={v}" for v in value.split(",")] if sweep else [arg])
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except HydraException:
+            choices.append([arg])
+            continue
+        sweep = override.is_sweep_override() and group_options(override.key_or_group) is not None
+        values = chosen_options(override) if sweep else []
+        choices.append([f"{override.get_key_element()}={v}" for v in values] or [arg])
     return [list(combo) for combo in itertools.product(*choices)]
 
 
