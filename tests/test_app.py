@@ -181,14 +181,7 @@ def sweep_names() -> list[str]:
 
 @pytest.mark.parametrize("name", sweep_names())
 def test_every_sweep_composes(name):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = hydra_compose("config", overrides=[f"+sweep={name}"], return_hydra_config=True)
-    GlobalHydra.instance().clear()
+    cfg = compose(f"+sweep={name}", return_hydra_config=True)
     params = cfg.hydra.sweeper.params
     assert params and cfg.task_name == name
     assert cfg.hydra.sweep.dir.startswith(f"outputs/multirun/{name}/")
@@ -251,14 +244,7 @@ def test_datasets_source_splits_local_text_by_document(tmp_path):
 @pytest.mark.parametrize("name", sweep_names())
 def test_sweep_runs_from_the_command_line(name, tmp_path):
     """Each sweep with -m, every swept parameter narrowed to one tiny value, runs to a complete results.json."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        params = hydra_compose("config", overrides=[f"+sweep={name}"], return_hydra_config=True).hydra.sweeper.params
-    GlobalHydra.instance().clear()
+    params = compose(f"+sweep={name}", return_hydra_config=True).hydra.sweeper.params
     narrowed = [f"{key}=tiny_llama" if key == "teacher" else f"{key}={str(values).split(',')[0]}"
                 for key, values in params.items()]
     cache = isolated_cache_dir(tmp_path / "cache")

@@ -67,15 +67,35 @@ def run_in(cfg, run_dir: Path, ranks=None) -> None:
     run(cfg, run_dir, resume=earlier == "unfinished", ranks=ranks)
 
 
+def chosen_options(override) -> list[str]:
+    """The options a config-group override (parsed by Hydra) names: its value, each item of a list, each value of
+    a choice or range sweep; none for a deletion, null, or a glob (Hydra matches it against the options)."""
+    from hydra.errors import HydraException
+
+    if override.is_sweep_override():
+        try:
+            return list(override.sweep_string_iterator())
+        except HydraException:  # glob(...) needs Hydra's config loader; intervals are not options
+            return []
+    value = override.value()
+    return [str(item) for item in (value if isinstance(value, list) else [value]) if item not in (None, "")]
+
+
 def check_group_overrides(args: list[str]) -> None:
-    """`group=option` arguments name existing options (Hydra's own message spans many lines)."""
+    """`group=option` arguments name existing options (Hydra's own message spans many lines). Arguments Hydra's
+    override grammar does not read (flags, bad syntax) are left to `check_arguments`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
     for arg in args:
-        key, sep, value = arg.partition("=")
-        key = key.lstrip("+~").split("@")[0]
-        options = group_options(key) if sep and not key.startswith("hydra") else None
-        if options is None or value in ("", "null") or "(" in value:
-            continue  # not a group, a deletion, or a sweep function such as glob(...)
-        for option in value.strip("[]").split(","):
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except HydraException:
+            continue
+        key = override.key_or_group
+        options = None if key.startswith("hydra") else group_options(key)
+        for option in chosen_options(override) if options is not None else []:
             if option not in options:
                 raise ConfigError(f"{key}={option!r}: no such option in config group {key!r}; "
                                   f"expected one of {', '.join(options)}")

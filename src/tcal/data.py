@@ -107,17 +107,13 @@ def offline_message(cfg, cause: str) -> str:
 def check_dataset_reachable(cfg) -> None:
     """Offline, a hub dataset (`org/name`) that is neither a local folder nor in the datasets cache fails at
     once, before `datasets` spends its retries on it."""
-    import os
+    from tcal.hub import datasets_cache_dir, hub_dataset_cached, hub_offline
 
-    flags = [os.environ.get(name, "0").lower() for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")]
-    offline = any(flag not in ("0", "", "false", "no") for flag in flags)
     name = str(cfg.dataset)
-    if not offline or "/" not in name or Path(name).expanduser().exists():
+    if not hub_offline(datasets=True) or "/" not in name or Path(name).expanduser().exists():
         return
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
-    cache = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser()
-    if not (cache / name.replace("/", "___")).is_dir():
-        raise HubUnavailable(offline_message(cfg, f"offline, and not in the datasets cache {cache}"))
+    if not hub_dataset_cached(name):
+        raise HubUnavailable(offline_message(cfg, f"offline, and not in the datasets cache {datasets_cache_dir()}"))
 
 
 def dataset_documents(cfg) -> list[Document]:

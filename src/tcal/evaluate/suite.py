@@ -13,7 +13,7 @@ from tcal.cache_entry import get_or_build, read_json_entry, write_json
 from tcal.data import Document, eval_sets, token_windows
 from tcal.distributed import shared_entry
 from tcal.evaluate.validation import validate_windows
-from tcal.fingerprint import digest, plain, teacher_fingerprint
+from tcal.fingerprint import digest, plain, teacher_fingerprint, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,7 @@ def _docs_digest(docs: list[Document]) -> str:
 def cached_teacher(ctx, kind: str, settings, compute, collective: bool = False):
     """`compute()` for the teacher, memoized on disk by teacher weights, `kind` and `settings`. `collective`:
     every rank calls this and `compute` runs on all of them together (rank 0 writes the entry)."""
-    tokenizer = digest(type(ctx.tokenizer).__name__, ctx.tokenizer.get_vocab())
-    key = digest(teacher_fingerprint(ctx.teacher), tokenizer, kind, settings)
+    key = digest(teacher_fingerprint(ctx.teacher), tokenizer_digest(ctx.tokenizer), kind, settings)
     path = ctx.cache_dir / "teacher_eval" / f"{kind}-{key}.json"
 
     def read(p=path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -16,18 +15,19 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 
 from tcal.errors import ConfigError
+from tcal.hub import hub_offline, looks_local
 from tcal.results import write_folder_atomic
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 def package_file(package: str, filename: str) -> Path:
@@ -41,11 +41,6 @@ def package_file(package: str, filename: str) -> Path:
     return path
 
 
-def looks_local(path: str) -> bool:
-    """Hub ids are `org/name`; anything rooted or deeper is meant as a folder."""
-    return path.startswith((".", "/", "~")) or path.count("/") > 1
-
-
 def resolve_pretrained(path: str) -> str:
     """A local folder, or a hub id; fails clearly for a missing local folder or an unreachable hub."""
     expanded = Path(path).expanduser()
@@ -54,14 +49,6 @@ def resolve_pretrained(path: str) -> str:
     if looks_local(path):
         raise FileNotFoundError(f"teacher.path={path!r}: no such local folder")
     return path
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE set (in the environment, or as huggingface_hub read it at import)."""
-    import huggingface_hub.constants
-
-    return (os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
-            or bool(huggingface_hub.constants.HF_HUB_OFFLINE))
 
 
 def _from_pretrained(loader, path: str, trust_remote_code: bool = False, **kwargs):

@@ -23,13 +23,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tcal.cache_entry import get_or_build, load_tensors, save_tensors
 from tcal.data import Document, token_stream
 from tcal.errors import ConfigError
-from tcal.fingerprint import digest
+from tcal.fingerprint import digest, tokenizer_digest
 
 log = logging.getLogger(__name__)
-
-
-def tokenizer_digest(tokenizer) -> str:
-    return digest(type(tokenizer).__name__, tokenizer.get_vocab(), tokenizer.eos_token_id)
 
 
 def cached_token_stream(docs: list[Document], tokenizer, cache_dir: Path | None) -> torch.Tensor:
