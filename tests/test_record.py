@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
 
 from tcal.app import resumed_config
 from tcal.errors import ConfigError, FolderInUse
-from tcal.record import (SCHEMA_VERSION, RecordError, check_record, example_record, example_stage, load_record,
-                         read_record, write_record)
+from tcal.record import (FIELDS, SCHEMA_VERSION, RecordError, check_record, example_record, example_stage,
+                         load_record, read_record, write_record)
 
 
 def _write(tmp_path, data) -> Path:
@@ -135,3 +136,10 @@ def test_a_resume_or_rerun_names_a_damaged_record_or_an_unknown_version(tmp_path
     _write(tmp_path, example_record("failed"))
     with pytest.raises(ConfigError, match=r"holds no config \(its run failed before any work\)"):
         resumed_config(tmp_path)
+
+
+def test_the_method_document_lists_every_field():
+    section = (Path(__file__).parents[1] / "docs" / "method.md").read_text().split("## 14. The record: results.json")[1]
+    listed = {name for line in section.splitlines() if line.startswith("| `")
+              for name in re.findall(r"`([a-z_]+)`", line.split(" | ")[0])}
+    assert listed == set(FIELDS)

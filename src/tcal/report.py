@@ -112,7 +112,7 @@ def _normalize(path: Path, data: dict) -> Run:
     if ratio is None:
         ratio = len(data["keep_layers"]) / data["teacher"]["num_layers"]
     if not _ppl_by_set(metrics, "student_ppl"):
-        raise IncompleteRun("no finite student perplexity in 'metrics'")
+        raise IncompleteRun("'metrics' holds no student perplexity (no eval set, or each null: NaN or infinite)")
     harness, ruler = data.get("harness") or {}, data.get("ruler") or {}
     return Run(
         path=path, teacher=data["teacher"]["name"], policy=data["retention"], ratio=round(float(ratio), 4),
@@ -163,6 +163,8 @@ class Collected:
 
 
 def collect(folder: Path) -> Collected:
+    """Every results.json below `folder`, sorted out; of two runs of the same group, init and stage the second is
+    listed as incomplete."""
     found, seen = Collected(), {}
     for path in sorted(Path(folder).rglob(RESULTS)):
         try:

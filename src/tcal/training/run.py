@@ -1,5 +1,5 @@
 """Running the stages of `cfg.stage` after the init: planning (checked before any work), Lightning Trainers,
-checkpoints and resume, the Stage 1 cache, and the stage records of results.json.
+checkpoints and resume, the Stage 1 cache, and the stage records of results.json (their fields: `tcal.record`).
 
 `stage=none` has no stages; `align` and `distill` have one; `align_distill` runs `stage.align` then
 `stage.distill`. Budgets are tokens: a stage runs max_tokens // (batch_size * seq_len * world size) steps and
