@@ -13,7 +13,7 @@ import pytest
 from tcal.app import resumed_config
 from tcal.errors import ConfigError, FolderInUse
 from tcal.record import (FIELDS, SCHEMA_VERSION, RecordError, check_record, example_record, example_stage,
-                         load_record, read_record, write_record)
+                         is_stage_record, load_record, read_record, write_record)
 
 
 def _write(tmp_path, data) -> Path:
@@ -42,6 +42,10 @@ def test_a_written_record_reads_back_whole(tmp_path):
     assert load_record(path) == record
     assert record["schema_version"] == SCHEMA_VERSION == 1
     assert record["config"]["stage"] == {"name": "distill", "kind": "distill"}
+    running = example_record("trained_align", stage="align_distill", curve=curve,
+                             stages={"align": example_stage("align", 64, curve), "distill": {"curve": curve}})
+    write_record(path, running)  # the record while Stage 2 trains: its stage holds only its curve so far
+    assert load_record(path)["stages"]["distill"] == {"curve": curve}
 
 
 def test_damaged_json_names_the_file(tmp_path):
@@ -60,6 +64,7 @@ def test_damaged_json_names_the_file(tmp_path):
     (lambda r: r.update(keep_layers=[0, True]), "keep_layers[1]", "expected an integer, got True"),
     (lambda r: r.update(stages={"distill": {**example_stage(), "tokens_seen": "64"}}), "stages.distill.tokens_seen",
      "expected an integer, got '64'"),
+    (lambda r: r.update(stages={"distill": {"curve": {}, "steps": 1}}), "stages.distill.kind", "missing"),
     (lambda r: r["metrics"]["shakespeare"].pop("teacher_ppl"), "metrics.shakespeare.teacher_ppl", "missing"),
     (lambda r: r["metrics"]["shakespeare"].update(ppl=1.0), "metrics.shakespeare.ppl", "not a field of this object"),
     (lambda r: r.pop("init_mode"), "init_mode", "missing (a record with status 'complete' holds it)"),
@@ -143,3 +148,10 @@ def test_the_method_document_lists_every_field():
     listed = {name for line in section.splitlines() if line.startswith("| `")
               for name in re.findall(r"`([a-z_]+)`", line.split(" | ")[0])}
     assert listed == set(FIELDS)
+
+
+def test_a_stage_record_of_older_code_is_not_taken_from_the_stage1_cache():
+    older = example_stage("align")
+    del older["rank_weight_digests"]
+    assert is_stage_record(example_stage("align"))
+    assert not is_stage_record(older) and not is_stage_record({"curve": {}}) and not is_stage_record(None)

@@ -58,7 +58,7 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
     assert failed.strip().splitlines() == [
         f"- `0/results.json`: {diverged['error']} (after: initialized)",
         f"- `1/results.json`: {bad_setting['error']} (after: nothing)"]
-    assert "1 complete runs, 2 failed, 0 incomplete." in markdown
+    assert "1 complete runs, 2 failed, 0 incomplete, 0 damaged." in markdown
 
 
 @pytest.mark.slow

@@ -128,6 +128,22 @@ STAGE_RECORD = shape(
     {"kind": TEXT, "settings": OBJECT, "steps": INTEGER, "tokens_seen": INTEGER, "tokens_per_step": INTEGER,
      "world_size": INTEGER, "seconds_this_process": NUMBER, "loss_first": NUMBER, "loss_last": NUMBER,
      "rank_weight_digests": list_of(TEXT), "curve": CURVE, "resumed": FLAG, "cached": FLAG})
+STAGE_RUNNING = shape({"curve": CURVE})  # a stage still training holds its curve so far
+
+
+def is_stage_record(data) -> bool:
+    """Whether `data` is a finished stage's record (`results.json` `stages.<kind>`) of this schema."""
+    try:
+        STAGE_RECORD(data, "stage")
+    except _Mismatch:
+        return False
+    return True
+
+
+def _stage(value, field):
+    (STAGE_RUNNING if isinstance(value, dict) and set(value) == {"curve"} else STAGE_RECORD)(value, field)
+
+
 POSITION_BUCKET = shape({"start": INTEGER, "end": INTEGER, "tokens": INTEGER, "teacher_ppl": NUMBER,
                          "student_ppl": NUMBER})
 EVAL_SET = shape({"teacher_ppl": NUMBER, "student_ppl": NUMBER}, {"by_position": list_of(POSITION_BUCKET)})
@@ -163,7 +179,7 @@ FIELDS: dict[str, Field] = {
     "timings": Field(dict_of(NUMBER), "converted", "step -> seconds"),
     "calibration": Field(OBJECT, "initialized", "what the init mode measured"),
     "init_weights_digest": Field(TEXT, "initialized", "digest of the initialized student's weights"),
-    "stages": Field(dict_of(STAGE_RECORD), None, "stage kind -> its record (a trained run)"),
+    "stages": Field(dict_of(_stage), None, "stage kind -> its record (a stage still training: its curve)"),
     "curve": Field(CURVE, None, "the last stage's perplexity curve: eval set -> [{tokens, ppl}]"),
     "metrics": Field(dict_of(EVAL_SET), "complete", "eval set -> teacher and student perplexity"),
     "harness": Field(HARNESS, None, "lm-eval: teacher / student -> task -> metric -> value"),
