@@ -21,6 +21,7 @@ from tcal.errors import FolderInUse
 from tcal.evaluate.perplexity import perplexity
 from tcal.hybrid import HybridForCausalLM
 from tcal.pipeline import run
+from tcal.record import example_record
 
 EXTRA_TEXT = "\n".join(
     f"Line {i}: the quick brown fox jumps over the lazy dog, and the {i}th sheep counts its blessings."
