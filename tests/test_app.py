@@ -21,6 +21,7 @@ from tcal.errors import FolderInUse
 from tcal.evaluate.perplexity import perplexity
 from tcal.hybrid import HybridForCausalLM
 from tcal.pipeline import run
+from tcal.record import example_record
 
 EXTRA_TEXT = "\n".join(
     f"Line {i}: the quick brown fox jumps over the lazy dog, and the {i}th sheep counts its blessings."
@@ -82,7 +83,7 @@ def test_rerun_into_the_same_folder_skips_a_complete_run_and_continues_an_unfini
     elsewhere = {**data["config"], "paths": {**data["config"]["paths"], "cache_dir": str(tmp_path / "elsewhere")}}
     for name, record in [("unfinished", {**data, "status": "trained_distill"}),
                          ("cache_moved", {**data, "status": "initialized", "config": elsewhere}),
-                         ("failed_before_work", {"status": "failed", "failed_after": None, "config": other}),
+                         ("failed_before_work", example_record("failed", config=other)),
                          ("damaged", None), ("empty", None)]:
         folder = tmp_path / name
         folder.mkdir()
@@ -105,8 +106,7 @@ def test_a_folder_holding_a_run_of_another_config_is_refused(smoke_run, tmp_path
     config = {**data["config"], "seed": 7, "retention": {**data["config"]["retention"], "ratio": 0.75}}
     folder = tmp_path / "used"
     folder.mkdir()
-    (folder / "results.json").write_text(json.dumps({**data, "status": status, "failed_after": "initialized",
-                                                     "config": config}))
+    (folder / "results.json").write_text(json.dumps(example_record(status, "initialized", config=config)))
     before = (folder / "results.json").read_bytes()
     with pytest.raises(FolderInUse, match=rf"^{folder} holds a run of another config \(retention.ratio=0.5 \(that run: "
                                           rf"0.75\), seed=0 \(that run: 7\)\); expected an empty folder"):

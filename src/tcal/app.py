@@ -10,7 +10,6 @@ A configuration error (`tcal.errors.ConfigError`: a bad setting, unreadable data
 config group) prints one line on stderr and exits with code 2, before any work and without a traceback.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from omegaconf import OmegaConf
 
 from tcal.arguments import check_arguments
 from tcal.errors import ConfigError, Divergence
+from tcal.record import RESULTS, RecordError, load_record, read_record
 from tcal.settings import group_options
 from tcal.sweep import failed_jobs, sweep_job
 
@@ -30,10 +30,17 @@ CONFIG_ERROR_EXIT = 2
 def resumed_config(run_dir: Path, cfg=None, overrides: list[str] = ()):
     """The resolved config a run recorded in its results.json, to continue that run exactly; `cfg` (this
     command's config) may change only the keys safe to change on resume (`tcal.rerun.resume_config`)."""
-    results = Path(run_dir) / "results.json"
+    results = Path(run_dir) / RESULTS
     if not results.is_file():
         raise ConfigError(f"resume={str(run_dir)!r}: no results.json there; expected a run folder of `tcal`")
-    recorded = OmegaConf.create(json.loads(results.read_text())["config"])
+    try:
+        record = load_record(results)
+    except RecordError as err:
+        raise ConfigError(f"resume={str(run_dir)!r}: {err}; expected the record of a `tcal` run") from None
+    if "config" not in record:
+        raise ConfigError(f"resume={str(run_dir)!r}: {results} holds no config (its run failed before any work); "
+                          f"expected the record of a run that started: run it again instead")
+    recorded = OmegaConf.create(record["config"])
     recorded.resume = str(run_dir)
     if cfg is not None:
         from hydra import compose
@@ -46,7 +53,6 @@ def resumed_config(run_dir: Path, cfg=None, overrides: list[str] = ()):
 def earlier_run(cfg, run_dir: Path) -> str:
     """What `run_dir` holds for `cfg`: "none" (nothing), "complete" or "unfinished"; a run of another config
     there is refused (FolderInUse). A damaged results.json is warned about and run again."""
-    from tcal.record import read_record
     from tcal.rerun import folder_state
     return folder_state(Path(run_dir), read_record(run_dir), OmegaConf.to_container(cfg, resolve=True))
 

@@ -138,7 +138,8 @@ def ruler(ctx, student) -> dict | None:
 
 
 def evaluate(ctx, student) -> dict:
-    """The results.json entries of the zero-shot evaluation (ranks other than 0 return after the perplexities)."""
+    """The results.json entries of the zero-shot evaluation, `metrics`, `harness` and `ruler` (their fields:
+    `tcal.record`; ranks other than 0 return after the perplexities)."""
     out = {"metrics": perplexities(ctx, student)}
     if not ctx.ranks.is_main:
         return out

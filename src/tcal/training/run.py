@@ -1,5 +1,5 @@
 """Running the stages of `cfg.stage` after the init: planning (checked before any work), Lightning Trainers,
-checkpoints and resume, the Stage 1 cache, and the stage records of results.json.
+checkpoints and resume, the Stage 1 cache, and the stage records of results.json (their fields: `tcal.record`).
 
 `stage=none` has no stages; `align` and `distill` have one; `align_distill` runs `stage.align` then
 `stage.distill`. Budgets are tokens: a stage runs max_tokens // (batch_size * seq_len * world size) steps and
@@ -23,6 +23,7 @@ from tcal.data import eval_sets, token_windows
 from tcal.distributed import world_size
 from tcal.evaluate.validation import eval_dataloaders
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
+from tcal.record import is_stage_record
 from tcal.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
 from tcal.tracking import drop_rows_after
@@ -97,8 +98,9 @@ class Stage1Cache:
         state, record = entry
         own = self.gdn_state(student)
         fits = state.keys() == own.keys() and all(state[k].shape == v.shape for k, v in own.items())
-        if not fits or not isinstance(record, dict) or "curve" not in record:
-            log.warning("Stage 1 cache entry %s does not fit this student (foreign file); training again", key)
+        if not fits or not is_stage_record(record):
+            log.warning("Stage 1 cache entry %s does not fit this student or is not a stage record of this schema "
+                        "(foreign file, or written by older code); training again", key)
             return None
         student.load_state_dict(state, strict=False)
         return {**record, "cached": True}
