@@ -77,7 +77,7 @@ def test_offline_spec_of_a_tiny_sweep(tiny_sweep, no_credentials, capsys):
         assert {key: config[key.split(".")[0]][key.split(".")[1]] for key in grid["filters"]} == grid["filters"]
         assert config["init"]["name"] == record["init_mode"]
 
-    runs, _, _ = collect(tiny_sweep)
+    runs = collect(tiny_sweep).runs
     efficiency, _ = efficiency_table(runs, "zero_gate")
     tables = {t["name"]: t["markdown"] for t in spec["tables"]}
     assert tables["token_efficiency"] == markdown_table(efficiency)

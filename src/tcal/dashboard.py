@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tcal.report import (INIT_ORDER, POLICY_ORDER, Run, collect, efficiency_table, fmt_ppl, markdown_table,
                          zero_shot_table)
+from tcal.record import load_record
 from tcal.results import write_text_atomic
 from tcal.tracking import curve_metric, tokens_metric, wandb_has_credentials
 
@@ -119,11 +120,11 @@ def dashboard_spec(logged: list[LoggedRun], entity: str, project: str, title: st
 def load_logged_runs(folder: Path) -> tuple[list[LoggedRun], list[str]]:
     """The complete runs below `folder`, read by `tcal-report`'s `collect`, with their records; and a note for
     each record whose config lacks a key the dashboard needs (that run is left out)."""
-    runs, _, _ = collect(folder)
+    runs = collect(folder).runs
     logged, notes = [], []
     for run in runs:
         try:
-            logged.append(logged_run(run, json.loads(run.path.read_text(encoding="utf-8"))))
+            logged.append(logged_run(run, load_record(run.path)))
         except (KeyError, TypeError) as err:
             notes.append(f"{run.path}: no config key {err} in the record; left out of the W&B report")
     return logged, notes
