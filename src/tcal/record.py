@@ -34,7 +34,7 @@ def _object(data):
 
 def read_record(run_dir: str | Path) -> dict | None:
     """The record in `run_dir`, or None (none there; a damaged one is warned about)."""
-    from tcal.cache_entry import read_json  # imports torch: not before a config error could stop the job
+    from tcal.cache import read_json  # imports torch: not before a config error could stop the job
 
     return read_json(Path(run_dir) / RESULTS, "results of an earlier run", _object)
 
