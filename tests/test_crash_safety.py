@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -111,10 +112,8 @@ def builds(log_files: list[Path]) -> dict[str, int]:
     `<kind>/<key>`."""
     counts: dict[str, int] = {}
     for log_file in log_files:
-        for line in log_file.read_text().splitlines():
-            if "cache " in line and ": built " in line:
-                kind, key = line.split("cache ", 1)[1].split(": built ")
-                counts[f"{kind}/{key.strip()}"] = counts.get(f"{kind}/{key.strip()}", 0) + 1
+        for kind, key in re.findall(r"cache (\w+): built (\S+)$", log_file.read_text(), flags=re.MULTILINE):
+            counts[f"{kind}/{key}"] = counts.get(f"{kind}/{key}", 0) + 1
     return counts
 
 
