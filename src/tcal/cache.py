@@ -28,7 +28,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
+from typing import Any, Callable, Generic, Hashable, Iterable, Iterator, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -205,7 +205,8 @@ def get_or_build(kind: str, key: str, build: Callable[[], T], *, folder: str | P
                              ranks=ranks)[None]
 
 
-def get_or_build_each(kind: str, keys: dict[K, str], build_some: Callable[[list[K]], dict[K, T]], *,
+def get_or_build_each(kind: str, keys: dict[K, str],
+                      build_some: Callable[[list[K]], dict[K, T] | Iterable[tuple[K, T]]], *,
                       folder: str | Path | None, codec: Codec[T] | None = None,
                       ranks: Ranks | None = None) -> dict[K, T]:
     """{item: value} for the entries `keys[item]`: the ones in the cache read, the others built together by

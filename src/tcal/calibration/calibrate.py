@@ -76,9 +76,6 @@ class ArtifactStore:
     def __init__(self, folder: Path | None):
         self.folder = Path(folder) if folder is not None else None
 
-    def path(self, key: str) -> Path:
-        return self.folder / f"{key}.safetensors"
-
 
 def _layer_entry(value: dict) -> tuple[dict, dict]:
     record = {k: v for k, v in value["record"].items() if k not in ("cached", "rank")}
