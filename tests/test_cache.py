@@ -17,7 +17,7 @@ import torch
 from conftest import compose, isolated_cache_dir
 from safetensors.torch import save_file
 
-from tcal.cache import get_or_build, get_or_build_each, json_codec, key_lock, tensor_codec
+from tcal.cache import get_or_build, get_or_build_each, key_lock, read_json, tensor_codec
 
 TENSORS = tensor_codec(lambda value: ({"w": value["w"]}, value["record"]),
                        lambda tensors, record: {"w": tensors["w"], "record": record})
@@ -190,3 +190,13 @@ def test_two_processes_on_a_cold_cache_build_each_calibrated_layer_once(tmp_path
     built = sorted(re.findall(r"cache calibration: built (\w+)", lines))
     reused = sorted(re.findall(r"cache calibration: reused (\w+)", lines))
     assert built == layers and reused == layers, lines  # each built by one process, reused by the other
+
+
+def test_read_json_reads_a_plain_file_and_warns_about_a_damaged_one(tmp_path, caplog):
+    (tmp_path / "good.json").write_text('{"status": "complete"}')
+    (tmp_path / "bad.json").write_text('{"status": "compl')
+    with caplog.at_level(logging.WARNING, logger="tcal.cache"):
+        assert read_json(tmp_path / "good.json", "results", lambda d: d["status"]) == "complete"
+        assert read_json(tmp_path / "missing.json", "results", lambda d: d) is None
+        assert read_json(tmp_path / "bad.json", "results", lambda d: d) is None
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"results {tmp_path / 'bad.json'} is unreadable"]
