@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
+from tcal.cache import get_or_build, tensor_codec
 from tcal.errors import ConfigError, DataError, HubUnavailable
+from tcal.fingerprint import digest
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +170,8 @@ def eval_sets(cfg, splits: Splits) -> dict[str, list[Document]]:
     return sets
 
 
-def token_stream(docs: list[Document], tokenizer) -> torch.Tensor:
-    """All documents tokenized and joined with the EOS token, as one 1D LongTensor."""
+def tokenize_documents(docs: list[Document], tokenizer) -> torch.Tensor:
+    """All documents tokenized and joined with the EOS token, as one 1D LongTensor (call `token_stream`)."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for doc in docs:
@@ -177,6 +179,44 @@ def token_stream(docs: list[Document], tokenizer) -> torch.Tensor:
         if eos is not None:
             ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def tokenizer_digest(tokenizer) -> str:
+    return digest(type(tokenizer).__name__, tokenizer.get_vocab(), tokenizer.eos_token_id)
+
+
+# (id of the tokenizer, the documents) -> (the tokenizer, kept so its id stays its own, the stream); newest last
+_STREAMS: dict[tuple, tuple] = {}
+STREAMS_KEPT = 8
+
+
+def _remembered_stream(docs: list[Document], tokenizer) -> torch.Tensor:
+    """`tokenize_documents`, once per process for the last few (tokenizer, documents) asked for."""
+    key = (id(tokenizer), tuple(docs))
+    entry = _STREAMS.pop(key, None) or (tokenizer, tokenize_documents(docs, tokenizer))
+    _STREAMS[key] = entry
+    while len(_STREAMS) > STREAMS_KEPT:
+        del _STREAMS[next(iter(_STREAMS))]
+    return entry[1]
+
+
+def forget_token_streams() -> None:
+    """Drop the streams this process remembers (the on-disk entries stay)."""
+    _STREAMS.clear()
+
+
+def token_stream(docs: list[Document], tokenizer, cache_dir: str | Path | None = None) -> torch.Tensor:
+    """All documents tokenized and joined with the EOS token, as one 1D LongTensor: the one way a split becomes
+    tokens. A process tokenizes the same documents once; with `cache_dir` the stream is also an on-disk entry
+    (`tcal.cache`, kind `tokens`, keyed by the tokenizer's vocabulary and the documents' names and text), so
+    the runs of a sweep tokenize once. The tensor is shared: callers slice or copy it, never write into it."""
+    if cache_dir is None:
+        return _remembered_stream(docs, tokenizer)
+    key = digest(tokenizer_digest(tokenizer), [(d.name, d.text) for d in docs])
+    codec = tensor_codec(lambda stream: ({"tokens": stream}, {"documents": len(docs)}),
+                         lambda tensors, record: tensors["tokens"])
+    return get_or_build("tokens", key, lambda: _remembered_stream(docs, tokenizer),
+                        folder=Path(cache_dir) / "tokens", codec=codec)
 
 
 def _window_stride(n_tokens: int, seq_len: int, num_windows: int) -> int:

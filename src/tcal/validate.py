@@ -487,8 +487,7 @@ def check_split_tokens(ctx) -> None:
         source = f"data.eval_files entry {files[name]!r}" if name in files else "the evaluation split"
         needs.append((f"eval.num_windows={cfg.eval.num_windows} windows of eval.seq_len={cfg.eval.seq_len}",
                       cfg.eval.num_windows * cfg.eval.seq_len, docs, source))
-    counts: dict[int, int] = {}
     for what, need, docs, source in needs:
-        have = counts.setdefault(id(docs), token_stream(docs, ctx.tokenizer).numel())
+        have = token_stream(docs, ctx.tokenizer).numel()
         if have < need:
             raise ConfigError(f"{what} need {need} tokens, but {source} has {have}; lower them or give more text")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -108,22 +109,18 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
     keys = {i: artifact_key(teacher, i, ["full_plus"], pool.fit, {**settings, "seed": seed}, gdn, pool.held_out)
             for i, gdn in gdns.items()}
 
-    def calibrate_some(todo: list[int]) -> dict[int, dict]:
+    def calibrate_some(todo: list[int]) -> Iterator[tuple[int, dict]]:
         log.info("full_plus: layers %s on a pool of %d + %d held-out windows", todo, len(pool.fit),
                  len(pool.held_out))
-        bar = tqdm(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step")
-        records = {}
-        for group in layer_groups(todo, layers_per_pass):
-            fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
-            held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
-            for i in group:
-                with float32_master(gdns[i]) as gdn:
-                    record = calibrate_layer_on_pool(gdn, i, fit_stats.pop(i), held_stats.pop(i), phase1_rules,
-                                                     phase1_cfg, phase2_cfg, seed, bar)
-                store.save(keys[i], gdns[i].state_dict(), record)
-                records[i] = {**record, "cached": False}
-        bar.close()
-        return records
+        with tqdm(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step") as bar:
+            for group in layer_groups(todo, layers_per_pass):
+                fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
+                held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
+                for i in group:
+                    with float32_master(gdns[i]) as gdn:
+                        record = calibrate_layer_on_pool(gdn, i, fit_stats.pop(i), held_stats.pop(i), phase1_rules,
+                                                         phase1_cfg, phase2_cfg, seed, bar)
+                    yield i, {**record, "cached": False}
 
     return calibrate_shared(gdns, keys, store, ranks or Ranks(), calibrate_some)
 

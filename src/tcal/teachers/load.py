@@ -14,6 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 
+from tcal.cache import key_lock
 from tcal.errors import ConfigError
 from tcal.hub import hub_offline, looks_local
 from tcal.results import write_folder_atomic
@@ -71,8 +72,19 @@ def _gguf_folder(cfg, cache_dir: Path) -> Path:
 def _gguf_cached(cfg, cache_dir: Path, dtype: torch.dtype) -> Path:
     """Convert the packaged GGUF teacher once into a safetensors folder (dequantized, tokenizer included)."""
     folder = _gguf_folder(cfg, cache_dir)
-    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+    if _converted(folder):
         return folder
+    with key_lock(folder):  # parallel jobs convert once: the others wait, then use the folder
+        if _converted(folder):
+            return folder
+        return _convert_gguf(cfg, folder, dtype)
+
+
+def _converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
+
+
+def _convert_gguf(cfg, folder: Path, dtype: torch.dtype) -> Path:
     gguf = package_file(cfg.package, cfg.gguf_file)
     log.info("converting %s to safetensors in %s (once)", gguf.name, folder)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -87,7 +99,7 @@ def _gguf_cached(cfg, cache_dir: Path, dtype: torch.dtype) -> Path:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    return write_folder_atomic(folder, write, replace=False)  # a parallel job may have converted it first
+    return write_folder_atomic(folder, write, replace=False)
 
 
 def trust_remote_code(cfg) -> bool:

@@ -12,7 +12,6 @@ import logging
 import time
 from typing import Callable
 
-import lightning as L
 import torch
 
 from tcal.calibration.align import alignment_loss, capture_teacher_io
