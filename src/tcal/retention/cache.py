@@ -49,7 +49,7 @@ def calibration_tokens_digest(ctx) -> str:
 
 def selection_key(cfg, ctx, extra: dict | None = None) -> tuple[str, dict]:
     """(digest, the parts it was built from) for the scores of policy `cfg.name`."""
-    data = {k: v for k, v in plain(ctx.cfg.data).items() if k not in EVALUATION_ONLY}
+    data = {k: v for k, v in plain(ctx.settings.data).items() if k not in EVALUATION_ONLY}
     parts = {
         "teacher": teacher_fingerprint(ctx.teacher),
         "policy": str(cfg.name),
@@ -84,7 +84,7 @@ class ScoreCache:
 
 
 def score_cache(cfg, ctx) -> ScoreCache:
-    return ScoreCache(ctx.cache_dir / "retention" if cfg.get("cache", True) else None)
+    return ScoreCache(ctx.cache_dir / "retention" if cfg.cache else None)
 
 
 def cached_scores(cfg, ctx, score: Callable[[], dict[int, float]], extra: dict | None = None) -> dict[int, float]:
