@@ -249,14 +249,14 @@ def test_second_selection_reads_the_cache(policy, init, make_ctx, teacher, monke
     assert again == first
     # One scoring serves every ratio.
     wider = make_ctx(teacher, f"retention={policy}", f"init={init}", "retention.ratio=0.75")
-    assert select_layers(wider.cfg.retention, wider).scores == first.scores
+    assert select_layers(wider.settings.retention, wider).scores == first.scores
     # The unseen-window report changes no calibrated weight, so it is not part of the key either.
     unchecked = make_ctx(teacher, f"retention={policy}", f"init={init}", "calibration.check=false")
-    assert select_layers(unchecked.cfg.retention, unchecked).scores == first.scores
+    assert select_layers(unchecked.settings.retention, unchecked).scores == first.scores
     # A scoring setting is part of the key: scoring again (which is forbidden here).
     other = make_ctx(teacher, f"retention={policy}", f"init={init}", "retention.num_windows=3")
     with pytest.raises(Forbidden):
-        select_layers(other.cfg.retention, other)
+        select_layers(other.settings.retention, other)
 
 
 def test_the_init_is_part_of_the_key_for_ga_s2_only(make_ctx, teacher, monkeypatch):
@@ -265,10 +265,10 @@ def test_the_init_is_part_of_the_key_for_ga_s2_only(make_ctx, teacher, monkeypat
         select_layers(ctx.settings.retention, ctx)
     forbid(monkeypatch, teacher)
     ar = make_ctx(teacher, "retention=ar", "init=zero_gate")
-    select_layers(ar.cfg.retention, ar)  # AR does not depend on the init: a hit
+    select_layers(ar.settings.retention, ar)  # AR does not depend on the init: a hit
     ga = make_ctx(teacher, "retention=ga_s2", "init=zero_gate")
     with pytest.raises(Forbidden):
-        select_layers(ga.cfg.retention, ga)
+        select_layers(ga.settings.retention, ga)
 
 
 def test_cache_false_scores_again_and_writes_nothing(make_ctx, teacher, tmp_path):

@@ -55,21 +55,21 @@ CASES = [
     (["init.phases=[phase1,phase3]"], r"init.phases=\['phase1', 'phase3'\]; expected a non-empty list without "
                                       r"repeats of phase1, phase2"),
     (["init.gqa_expansion=rows"], r"init.gqa_expansion='rows'; expected one of whole_head, row_repeat"),
-    (["stage=align", "stage.lr=0"], r"stage.lr=0; expected a learning rate > 0"),
+    (["stage=align", "stage.lr=0"], r"stage.lr=0.0; expected a learning rate > 0"),
     (["stage=distill", "stage.lr_mixer=-1e-4"], r"stage.lr_mixer=-0.0001; expected a learning rate > 0"),
-    (["calibration.phase2.lr_dynamics=0"], r"calibration.phase2.lr_dynamics=0; expected a learning rate > 0"),
+    (["calibration.phase2.lr_dynamics=0"], r"calibration.phase2.lr_dynamics=0.0; expected a learning rate > 0"),
     (["calibration.phase1.gamma_max=1e-4"], r"calibration.phase1.gamma_max=0.0001; expected a number >= "
                                             r"calibration.phase1.gamma_min=0.001"),
     (["stage=align", "stage.schedule=linear"], r"stage.schedule='linear'; expected one of constant, cosine"),
     (["stage=distill", "stage.weight_decay=-0.1"], r"stage.weight_decay=-0.1; expected a number >= 0"),
-    (["stage=align_distill", "stage.align.weight_decay=-1"], r"stage.align.weight_decay=-1; expected a number >= 0"),
-    (["stage=distill", "stage.ce_weight=-1"], r"stage.ce_weight=-1; expected a number >= 0"),
+    (["stage=align_distill", "stage.align.weight_decay=-1"], r"stage.align.weight_decay=-1.0; expected a number >= 0"),
+    (["stage=distill", "stage.ce_weight=-1"], r"stage.ce_weight=-1.0; expected a number >= 0"),
     (["stage=align", "stage.min_lr_ratio=1.5"], r"stage.min_lr_ratio=1.5; expected a number in \[0, 1\]"),
     (["init=full_plus", "init.pool.windows=4"], r"init.pool.held_out_every=8; expected an integer from 2 to "
                                                 r"init.pool.windows=4"),
     (["init=full_plus", "init.pool.windows=8", "init.phase2.batch_size=8"],
      r"init.phase2.batch_size=8 is more than the 7 fit windows of the pool"),
-    (["init=full_plus", "init.phase2.weight_decay=-1"], r"init.phase2.weight_decay=-1; expected a number >= 0"),
+    (["init=full_plus", "init.phase2.weight_decay=-1"], r"init.phase2.weight_decay=-1.0; expected a number >= 0"),
     (["init=full_plus", "init.pool.seq_len=2048"], r"init.pool.windows=64 windows of init.pool.seq_len=2048 need "
                                                    r"131072 tokens, but the calibration split has \d+"),
     # keys no code reads

@@ -30,6 +30,7 @@ from tcal.config import (
     EvalSettings,
     InitSettings,
     RunSettings,
+    StageSequenceSettings,
     StageSettings,
     TeacherSettings,
     TrainerSettings,
@@ -134,8 +135,7 @@ def distill(student, teacher: Teacher, splits: Splits, stage: StageSettings | No
 
     stage = stage or DistillSettings()
     if tokens is not None:
-        stage = dataclasses.replace(stage, max_tokens=int(tokens),
-                                    eval_every_tokens=min(stage.eval_every_tokens, int(tokens)))
+        stage = with_budget(stage, int(tokens))
     settings = RunSettings(data=data or DataSettings(), stage=stage, eval=eval or EvalSettings(),
                            trainer=trainer or TrainerSettings(), seed=seed)
     checked(check_stages, settings)
@@ -144,6 +144,14 @@ def distill(student, teacher: Teacher, splits: Splits, stage: StageSettings | No
     for plan in plan_stages(ctx):
         records[plan.kind], student = run_stage(plan, ctx, student, None, lambda curve: None, resume=False)
     return student, records
+
+
+def with_budget(stage, tokens: int):
+    """`stage` with a budget of `tokens` (each stage of a sequence), evaluated at least at its start and end."""
+    if isinstance(stage, StageSequenceSettings):
+        stages = {kind: with_budget(getattr(stage, kind), tokens) for kind in stage.sequence}
+        return dataclasses.replace(stage, **stages)
+    return dataclasses.replace(stage, max_tokens=tokens, eval_every_tokens=min(stage.eval_every_tokens, tokens))
 
 
 def evaluate(student, teacher: Teacher, splits: Splits, eval: EvalSettings | None = None,

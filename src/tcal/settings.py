@@ -1,9 +1,10 @@
-"""The settings a config may hold, read from the files of conf/ (omegaconf only: cheap to import before Hydra).
+"""The settings a config may hold, read from the files of conf/ and their schemas (registered with Hydra's
+ConfigStore on import, so that every later compose finds them).
 
 A key is a setting when a config file sets it: the chosen option of its group, an option that option includes,
 the schema it opens with (`tcal.config`), the root config, an experiment or a sweep; plus the mappings passed on
-as they are (`FREE_FORM`). Anything else is a misspelling or a key added with `+`
-that no code reads, and the run refuses it before any work.
+as they are (`FREE_FORM`). Anything else is a misspelling or a key added with `+` that no code reads, and the
+run refuses it before any work.
 """
 
 from __future__ import annotations
