@@ -26,7 +26,7 @@ test-slow: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m slow
 
 bench: install
-	$(VENV)/bin/tcal-bench $(ARGS)
+	$(VENV)/bin/python benchmarks/bench.py $(ARGS)
 
 gpu-check: install
 	$(VENV)/bin/python benchmarks/gpu_check.py $(ARGS)

@@ -55,12 +55,9 @@ def cuda_seconds(fn, repeats: int = 3) -> float:
 
 
 def compose_cfg(*overrides: str):
-    from hydra import compose, initialize_config_dir
+    from tcal.plan import compose_config
 
-    from tcal.app import CONF_DIR
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(list(overrides))
 
 
 def check_kernels() -> None:

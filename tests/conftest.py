@@ -79,8 +79,9 @@ def tiny_teachers():
     return {name: make_teacher(name) for name in FAMILIES}
 
 
-def compose(*overrides: str, config_name: str = "config"):
-    """The app's config composed by Hydra with command-line style overrides (GlobalHydra cleared around it)."""
+def compose(*overrides: str, config_name: str = "config", return_hydra_config: bool = False):
+    """The app's config composed by Hydra with command-line style overrides (GlobalHydra cleared around it); with
+    `return_hydra_config`, its `hydra` node too (a sweep's `hydra.sweeper.params`). Every test composes here."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -90,7 +91,8 @@ def compose(*overrides: str, config_name: str = "config"):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+            return hydra_compose(config_name=config_name, overrides=list(overrides),
+                                 return_hydra_config=return_hydra_config)
     finally:
         GlobalHydra.instance().clear()
 

@@ -21,6 +21,7 @@ from tcal.errors import FolderInUse
 from tcal.evaluate.perplexity import perplexity
 from tcal.hybrid import HybridForCausalLM
 from tcal.pipeline import run
+from tcal.record import example_record
 
 EXTRA_TEXT = "\n".join(
     f"Line {i}: the quick brown fox jumps over the lazy dog, and the {i}th sheep counts its blessings."
@@ -82,7 +83,7 @@ def test_rerun_into_the_same_folder_skips_a_complete_run_and_continues_an_unfini
     elsewhere = {**data["config"], "paths": {**data["config"]["paths"], "cache_dir": str(tmp_path / "elsewhere")}}
     for name, record in [("unfinished", {**data, "status": "trained_distill"}),
                          ("cache_moved", {**data, "status": "initialized", "config": elsewhere}),
-                         ("failed_before_work", {"status": "failed", "failed_after": None, "config": other}),
+                         ("failed_before_work", example_record("failed", config=other)),
                          ("damaged", None), ("empty", None)]:
         folder = tmp_path / name
         folder.mkdir()
@@ -105,8 +106,7 @@ def test_a_folder_holding_a_run_of_another_config_is_refused(smoke_run, tmp_path
     config = {**data["config"], "seed": 7, "retention": {**data["config"]["retention"], "ratio": 0.75}}
     folder = tmp_path / "used"
     folder.mkdir()
-    (folder / "results.json").write_text(json.dumps({**data, "status": status, "failed_after": "initialized",
-                                                     "config": config}))
+    (folder / "results.json").write_text(json.dumps(example_record(status, "initialized", config=config)))
     before = (folder / "results.json").read_bytes()
     with pytest.raises(FolderInUse, match=rf"^{folder} holds a run of another config \(retention.ratio=0.5 \(that run: "
                                           rf"0.75\), seed=0 \(that run: 7\)\); expected an empty folder"):
@@ -181,14 +181,7 @@ def sweep_names() -> list[str]:
 
 @pytest.mark.parametrize("name", sweep_names())
 def test_every_sweep_composes(name):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = hydra_compose("config", overrides=[f"+sweep={name}"], return_hydra_config=True)
-    GlobalHydra.instance().clear()
+    cfg = compose(f"+sweep={name}", return_hydra_config=True)
     params = cfg.hydra.sweeper.params
     assert params and cfg.task_name == name
     assert cfg.hydra.sweep.dir.startswith(f"outputs/multirun/{name}/")
@@ -251,14 +244,7 @@ def test_datasets_source_splits_local_text_by_document(tmp_path):
 @pytest.mark.parametrize("name", sweep_names())
 def test_sweep_runs_from_the_command_line(name, tmp_path):
     """Each sweep with -m, every swept parameter narrowed to one tiny value, runs to a complete results.json."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        params = hydra_compose("config", overrides=[f"+sweep={name}"], return_hydra_config=True).hydra.sweeper.params
-    GlobalHydra.instance().clear()
+    params = compose(f"+sweep={name}", return_hydra_config=True).hydra.sweeper.params
     narrowed = [f"{key}=tiny_llama" if key == "teacher" else f"{key}={str(values).split(',')[0]}"
                 for key, values in params.items()]
     cache = isolated_cache_dir(tmp_path / "cache")

@@ -5,7 +5,10 @@ import pytest
 import torch
 from conftest import TINY_VOCAB, compose, make_teacher, repo_cache_dir
 
-from tcal.bench import _cached_tensors, bench_longctx, bench_student, cache_bytes, emit
+from longctx import (bench_longctx, bench_student, cache_bytes, cached_tensors, decode_steps, expand_cache_batch,
+                     expanded_copy, long_context_peak_rss, prefill)
+from measurement import emit, in_fresh_process
+from training_steps import bench_stage1, bench_stage2
 
 
 def test_bench_student_prints_every_figure(capsys):
@@ -28,8 +31,6 @@ def test_emit_rounds_floats(capsys):
 
 
 def test_bench_stages_print_their_figures(capsys):
-    from tcal.bench import bench_stage1, bench_stage2
-
     teacher = make_teacher("llama")
     lines = [bench_stage2(teacher, [0, 2], batch=1, seq_len=16), bench_stage2(teacher, [0, 2], batch=1, seq_len=16,
                                                                                plain=True),
@@ -44,15 +45,12 @@ def test_bench_stages_print_their_figures(capsys):
 def test_fresh_process_runs_with_the_environment_it_is_given():
     import os
 
-    from tcal.bench import in_fresh_process
-
     assert in_fresh_process(os.getenv, "TCAL_BENCH_PROBE", env={"TCAL_BENCH_PROBE": "eager"}) == "eager"
     assert "TCAL_BENCH_PROBE" not in os.environ
 
 
 def test_expanded_cache_decodes_every_row_like_the_batch_1_cache():
     """`expand_cache_batch` stands a batch-1 prefill in for a batch-3 one: each row decodes as the single row."""
-    from tcal.bench import decode_steps, expand_cache_batch, prefill
     from tcal.convert import build_student
 
     teacher = make_teacher("llama")
@@ -89,21 +87,32 @@ def test_bench_longctx_prints_every_figure(capsys):
 
 @pytest.mark.slow
 def test_long_context_peak_rss_in_a_fresh_process():
-    from tcal.bench import in_fresh_process, long_context_peak_rss
-
     cfg = compose("teacher=tiny_llama").teacher
     peaks = in_fresh_process(long_context_peak_rss, cfg, repo_cache_dir(), [0, 2], 64, (1, 4))
     assert sorted(peaks) == [1, 4] and 0 < peaks[1] <= peaks[4]
 
 
 def test_expanded_copy_leaves_the_cache_as_it_was():
-    from tcal.bench import expanded_copy, prefill
     from tcal.convert import build_student
 
     student = build_student(make_teacher("llama"), [0, 2])
     _, cache, _ = prefill(student, torch.randint(3, TINY_VOCAB, (1, 12), generator=torch.Generator().manual_seed(0)))
-    before = [t.clone() for _, _, t in _cached_tensors(cache)]
+    before = [t.clone() for _, _, t in cached_tensors(cache)]
     copied = expanded_copy(cache, 2)
     assert cache_bytes(copied) == 2 * cache_bytes(cache)
-    assert all(torch.equal(a, b) for a, (_, _, b) in zip(before, _cached_tensors(cache), strict=True))
-    assert all(torch.equal(t[1], t[0]) for _, _, t in _cached_tensors(copied))
+    assert all(torch.equal(a, b) for a, (_, _, b) in zip(before, cached_tensors(cache), strict=True))
+    assert all(torch.equal(t[1], t[0]) for _, _, t in cached_tensors(copied))
+
+
+def test_make_bench_runs_the_script_with_every_group():
+    """`make bench ARGS=...` runs benchmarks/bench.py as a script: its modules import one another from there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for group in ("gdn", "kl_memory", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain",
+                  "plan", "longctx", "--contexts", "--no-peak-rss"):
+        assert group in done.stdout

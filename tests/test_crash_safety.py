@@ -1,6 +1,7 @@
 """Crash safety: every cache entry is one file written whole; a truncated or foreign
 entry is rebuilt with a warning, never trusted and never a crash; (slow) a sweep of 8 parallel `tcal`
-processes sharing one cache directory leaves every entry whole and readable."""
+processes sharing one cache directory builds every entry once and leaves it whole and readable. The cache's own
+rules, entry by entry, are tested in test_cache.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -19,54 +21,28 @@ from conftest import compose, isolated_cache_dir
 from safetensors.torch import save_file
 
 from tcal.app import CONF_DIR
-from tcal.cache_entry import load_tensors, read_json, read_json_entry, save_tensors, write_json
+from tcal.cache import get_or_build, load_json, load_tensors, save_json, save_tensors
 from tcal.pipeline import run
 from tcal.results import write_folder_atomic
 
-# cache folder -> the name its warnings use
-KINDS = {"calibration": "calibration artifact", "retention": "retention score cache",
-         "teacher_eval": "teacher figure cache", "tokens": "token cache", "stage1": "Stage 1 cache entry"}
+# the kinds of cache entry, each in its folder under paths.cache_dir
+KINDS = ("calibration", "retention", "teacher_eval", "tokens", "stage1")
 
 
 def entries(cache: Path) -> dict[str, list[Path]]:
-    """Every cache entry file by kind (the converted teacher, a symlink, is not an entry)."""
-    return {kind: sorted(p for p in (cache / kind).rglob("*") if p.is_file()) for kind in KINDS}
+    """Every cache entry file by kind (the converted teacher, a symlink, is not an entry; nor are lock files)."""
+    return {kind: sorted(p for p in (cache / kind).rglob("*") if p.is_file() and p.suffix != ".lock")
+            for kind in KINDS}
 
 
 def readable(path: Path) -> bool:
-    if path.suffix == ".json":
-        return read_json(path, "entry", lambda data: data) is not None
-    return load_tensors(path, "entry") is not None
+    """Whether the entry at `path` reads whole under its own key."""
+    try:
+        (load_json if path.suffix == ".json" else load_tensors)(path, path.name.split(".")[0])
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
-
-# ----------------------------------------------------------------------------------------------------------
-# The helper
-
-
-def test_entries_round_trip_and_damaged_ones_read_as_misses(tmp_path, caplog):
-    tensors, record = {"w": torch.arange(6.0).view(2, 3)}, {"loss": [1.5, 0.25], "name": "layer 1"}
-    save_tensors(tmp_path / "a.safetensors", tensors, record)
-    write_json(tmp_path / "b.json", {"value": 3.5})
-    got_tensors, got_record = load_tensors(tmp_path / "a.safetensors", "artifact")
-    assert torch.equal(got_tensors["w"], tensors["w"]) and got_record == record
-    assert read_json(tmp_path / "b.json", "figure", lambda d: d["value"]) == 3.5
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-
-    assert load_tensors(tmp_path / "missing.safetensors", "artifact") is None
-    assert not caplog.records  # a miss is not a warning
-    data = (tmp_path / "a.safetensors").read_bytes()
-    (tmp_path / "a.safetensors").write_bytes(data[: len(data) // 2])
-    save_file({"w": torch.ones(1)}, str(tmp_path / "foreign.safetensors"))  # no record: not ours
-    (tmp_path / "b.json").write_text('{"value": 3.')
-    (tmp_path / "c.json").write_text('{"other": 1}')
-    with caplog.at_level(logging.WARNING):
-        assert load_tensors(tmp_path / "a.safetensors", "artifact") is None
-        assert load_tensors(tmp_path / "foreign.safetensors", "artifact") is None
-        assert read_json(tmp_path / "b.json", "figure", lambda d: d["value"]) is None
-        assert read_json(tmp_path / "c.json", "figure", lambda d: d["value"]) is None
-    assert [r.message.split(" is unreadable")[0] for r in caplog.records] == [
-        f"artifact {tmp_path / 'a.safetensors'}", f"artifact {tmp_path / 'foreign.safetensors'}",
-        f"figure {tmp_path / 'b.json'}", f"figure {tmp_path / 'c.json'}"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -114,8 +90,8 @@ def test_damaged_cache_entries_are_rebuilt_with_a_warning(damage, tmp_path, capl
     with caplog.at_level(logging.WARNING):
         again = run(every_cache_cfg(str(cache)), tmp_path / "again")
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
-    for kind, name in KINDS.items():
-        assert all(f"{name} {p}" in warned or f"{name} {p.stem}" in warned for p in written[kind]), kind
+    for kind in KINDS:
+        assert all(f"cache {kind}: {p} " in warned for p in written[kind]), kind
     assert comparable(again) == comparable(first)
     assert entries(cache) == written  # rebuilt in place: one file per key, no temporary files
     assert all(readable(p) for paths in entries(cache).values() for p in paths)
@@ -131,14 +107,13 @@ TINY = ["experiment=smoke", "retention=ar", "retention.seq_len=32", "retention.n
         "eval.num_windows=2", "save_student=false", "logger=none"]
 
 
-def writes(log_files: list[Path]) -> dict[str, int]:
-    """How often each cache entry was written, from the jobs' logs (`tcal.cache_entry` logs every write)."""
+def builds(log_files: list[Path]) -> dict[str, int]:
+    """How often each cache entry was built, from the jobs' logs (`cache <kind>: built <key>` lines), by
+    `<kind>/<key>`."""
     counts: dict[str, int] = {}
     for log_file in log_files:
-        for line in log_file.read_text().splitlines():
-            if "cache entry written: " in line:
-                path = line.split("cache entry written: ")[1].strip()
-                counts[path] = counts.get(path, 0) + 1
+        for kind, key in re.findall(r"cache (\w+): built (\S+)$", log_file.read_text(), flags=re.MULTILINE):
+            counts[f"{kind}/{key}"] = counts.get(f"{kind}/{key}", 0) + 1
     return counts
 
 
@@ -161,12 +136,10 @@ def test_parallel_sweep_shares_one_cache(tmp_path):
     assert len(found["calibration"]) == 3 * 2  # phase1, phase2, full x 2 GDN layers
     assert all(readable(p) for paths in found.values() for p in paths)
     assert not [p for p in Path(cache).rglob("*") if p.name.endswith(".tmp")]
-    counts = writes([tmp_path / f"job{i}" / "app.log" for i in range(len(SWEEP))])
-    # shared keys are built once under their lock and read by the other jobs (Stage 1: one align job per init)
-    once = [str(p) for kind in ("retention", "teacher_eval", "tokens", "stage1") for p in found[kind]]
-    assert {path: counts.get(path) for path in once} == {path: 1 for path in once}
-    # calibration artifacts take no lock: jobs racing on a key both write it, whole and identical
-    assert all(1 <= counts.get(str(p), 0) <= 2 for p in found["calibration"])
+    counts = builds([tmp_path / f"job{i}" / "app.log" for i in range(len(SWEEP))])
+    # every key is built once under its lock and reused by the other jobs (Stage 1: one align job per init)
+    once = [f"{kind}/{p.name.split('.')[0]}" for kind in KINDS for p in found[kind]]
+    assert counts == {entry: 1 for entry in once}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -191,8 +164,8 @@ def modes(root: Path) -> dict[str, int]:
 @pytest.mark.parametrize("mask", [0o002, 0o022, 0o077])
 def test_written_files_get_the_modes_of_the_umask(mask, tmp_path):
     with umask(mask):
-        save_tensors(tmp_path / "cache" / "a.safetensors", {"w": torch.ones(2)}, {"n": 1})
-        write_json(tmp_path / "cache" / "b.json", {"n": 2})
+        save_tensors(tmp_path / "cache" / "a.safetensors", {"w": torch.ones(2)}, {"n": 1}, "a")
+        save_json(tmp_path / "cache" / "b.json", {"n": 2}, "b")
         write_folder_atomic(tmp_path / "student", lambda tmp: save_file({"w": torch.ones(2)},
                                                                          str(tmp / "model.safetensors")))
     found = modes(tmp_path)
@@ -236,19 +209,20 @@ def test_an_entry_copied_under_another_key_is_rebuilt_with_a_warning(phase1_run,
     with caplog.at_level(logging.WARNING):
         again = run(cfg, root / "again")
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert f"calibration artifact {target} is not the entry of its key: it was written under the key " \
+    assert f"cache calibration: {target} is not the entry of its key: it was written under the key " \
            f"{source.stem!r}, not {target.stem!r} (copied or renamed); rebuilding it" in warned
     assert without_cached_flags(again["calibration"]) == without_cached_flags(first["calibration"])
     assert again["metrics"] == first["metrics"]
-    assert load_tensors(target, "artifact") is not None  # rewritten under its own key
+    assert readable(target)  # rewritten under its own key
 
 
-def test_a_json_entry_copied_under_another_key_is_a_miss(tmp_path, caplog):
-    write_json(tmp_path / "ppl-aaaa.json", {"value": 1.5})
+def test_a_json_entry_copied_under_another_key_is_rebuilt(tmp_path, caplog):
+    assert get_or_build("teacher_eval", "ppl-aaaa", lambda: 1.5, folder=tmp_path) == 1.5
     (tmp_path / "ppl-bbbb.json").write_text((tmp_path / "ppl-aaaa.json").read_text())
     with caplog.at_level(logging.WARNING):
-        assert read_json_entry(tmp_path / "ppl-aaaa.json", "figure", lambda d: d["value"]) == 1.5
-        assert read_json_entry(tmp_path / "ppl-bbbb.json", "figure", lambda d: d["value"]) is None
-    assert [r.getMessage() for r in caplog.records] == [
-        f"figure {tmp_path / 'ppl-bbbb.json'} is not the entry of its key: it was written under the key 'ppl-aaaa', "
-        f"not 'ppl-bbbb' (copied or renamed); rebuilding it"]
+        assert get_or_build("teacher_eval", "ppl-aaaa", lambda: pytest.fail("rebuilt"), folder=tmp_path) == 1.5
+        assert get_or_build("teacher_eval", "ppl-bbbb", lambda: 2.5, folder=tmp_path) == 2.5
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"cache teacher_eval: {tmp_path / 'ppl-bbbb.json'} is not the entry of its key: it was written under the key "
+        f"'ppl-aaaa', not 'ppl-bbbb' (copied or renamed); rebuilding it"]
+    assert json.loads((tmp_path / "ppl-bbbb.json").read_text())["value"] == 2.5

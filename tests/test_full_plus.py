@@ -14,12 +14,13 @@ from conftest import compose, isolated_cache_dir, make_teacher
 
 from tcal.calibration.align import alignment_metrics
 from tcal.calibration.calibrate import ArtifactStore
-from tcal.calibration.pool import align_on_pool, calibrate_on_pool, lr_factor, minibatches
+from tcal.calibration.pool import align_on_pool, calibrate_on_pool, minibatches
 from tcal.convert import naive_gdn
 from tcal.data import Document, Splits
 from tcal.gdn import GatedDeltaNet
 from tcal.init.full_plus import full_plus_pool
 from tcal.pipeline import run
+from tcal.schedule import lr_factor
 
 EOS = 99
 

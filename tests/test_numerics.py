@@ -24,7 +24,7 @@ from tcal.convert import naive_gdn
 from tcal.errors import Divergence
 from tcal.evaluate.perplexity import perplexity
 from tcal.pipeline import run
-from tcal.record import write_record
+from tcal.record import example_record, write_record
 from tcal.training.stages import StageModule
 from tcal.training import stages as stages_module
 
@@ -193,8 +193,8 @@ def test_perplexity_of_a_diverged_model_is_infinite_not_an_error():
 
 
 def test_results_hold_no_nan_tokens(tmp_path):
-    results = {"status": "complete", "metrics": {"a": {"student_ppl": math.nan, "teacher_ppl": 3.5}},
-               "curve": {"a": [{"tokens": 0, "ppl": math.inf}]}}
+    results = example_record(metrics={"a": {"student_ppl": math.nan, "teacher_ppl": 3.5}},
+                             curve={"a": [{"tokens": 0, "ppl": math.inf}]})
     write_record(tmp_path / "results.json", results)
     assert read_strict(tmp_path) == results  # what is returned is what is written
     assert results["metrics"]["a"] == {"student_ppl": None, "teacher_ppl": 3.5}

@@ -16,6 +16,7 @@ from tcal.plan import (
     SavedTensors,
     build_model,
     compose_config,
+    expand_sweeps,
     main,
     make_plan,
     stage_memory,
@@ -96,6 +97,14 @@ def test_paper_experiment_plan_json(teacher, capsys):
     assert plan["fits"] == all(s["fits"] for s in plan["stages"].values())
     assert plan["stages"]["distill"]["world_size"] == 8
     assert plan["stages"]["distill"]["tokens_per_step"] == 4 * 4096 * 8  # the paper's global Stage 2 batch
+
+
+def test_group_sweeps_expand_as_hydra_reads_them():
+    assert expand_sweeps(["init=naive,full", "retention.ratio=0.5", "+stage=choice(align,distill)"]) == [
+        [f"init={init}", "retention.ratio=0.5", f"+stage={stage}"] for init in ("naive", "full")
+        for stage in ("align", "distill")]
+    kept = ["init=[naive,full]", "retention=glob(*)", "seed=1,2", "init=naive,full,"]
+    assert expand_sweeps(kept) == [kept]
 
 
 def test_plan_text_names_every_stage_and_the_converted_layers(capsys):

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tcal import report
+from tcal.record import example_record, example_stage
 from tcal.report import Reach, efficiency_ratio, fmt_ppl, fmt_ratio, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -19,15 +20,13 @@ def _curve(points):
 
 
 def _result(policy, init, student_ppl, curve=None, **extra):
-    data = {"teacher": {"name": "t1", "num_layers": 4}, "retention": policy, "keep_layers": [0, 2],
-            "init_mode": init, "status": "complete",
-            "metrics": {"shakespeare": {"teacher_ppl": 20.0, "student_ppl": student_ppl}}}
-    if policy == "uniform":
-        data["ratio"] = 0.5  # the explicit policy has no ratio: 2 of 4 layers gives 0.5 too
+    fields = {"retention": policy, "init_mode": init,
+              "metrics": {"shakespeare": {"teacher_ppl": 20.0, "student_ppl": student_ppl}}}
+    if policy != "uniform":
+        fields["ratio"] = None  # the explicit policy has no ratio: 2 of 4 layers gives 0.5 too
     if curve is not None:
-        data["curve"] = _curve(curve)
-    data.update(extra)
-    return data
+        fields["curve"] = _curve(curve)
+    return example_record(**fields, **extra)
 
 
 @pytest.fixture
@@ -42,22 +41,20 @@ def multirun(tmp_path):
             harness={"teacher": {"tcal_cloze": {"acc": 0.6}, "tcal_nextline": {"acc": 0.5, "acc_norm": 0.7}},
                      "student": {"tcal_cloze": {"acc": 0.4, "perplexity": 50.0},
                                  "tcal_nextline": {"acc": 0.3, "acc_norm": 0.5}}},
-            ruler={"student": {"512": {"niah_single": 1.0, "niah_multikey": 0.5},
+            ruler={"teacher": {}, "student": {"512": {"niah_single": 1.0, "niah_multikey": 0.5},
                                "1024": {"niah_single": 0.5, "niah_multikey": 0.0}}}),
         "uniform_full_row_repeat": _result("uniform", "full", 33.0, gqa_expansion="row_repeat"),
         "explicit_naive": _result("explicit", "naive", 2180.0, [(500, 2180.0), (2000, 90.0)]),
         "explicit_zero_gate": _result("explicit", "zero_gate", 22.9, [(500, 22.9), (1000, 21.9), (2000, 21.0)]),
         "explicit_full": _result("explicit", "full", 21.8, [(500, 21.8), (1000, 21.2), (2000, 20.5)]),
     }
-    running = _result("uniform", "phase1", 30.0)
-    running["status"] = "running"
-    del running["metrics"]
+    running = example_record("initialized", init_mode="phase1")
     no_init = _result("explicit", "phase1", 30.0)
     del no_init["init_mode"]
-    diverged = {**_result("uniform", "zero_gate", 40.0), "status": "failed", "failed_after": "initialized",
-                "error": "Divergence: distill: perplexity on eval set 'shakespeare' is nan at step 3 (tokens_seen 192)"}
-    bad_setting = {"status": "failed", "failed_after": None, "error": "configuration error: retention.ratio=1.5 must "
-                                                                      "lie in (0, 1]", "config": {"seed": 0}}
+    diverged = example_record("failed", "initialized", init_mode="zero_gate", error="Divergence: distill: perplexity "
+                              "on eval set 'shakespeare' is nan at step 3 (tokens_seen 192)")
+    bad_setting = example_record("failed", error="configuration error: retention.ratio=1.5 must lie in (0, 1]",
+                                 config={"seed": 0})
     for name, data in {**runs, "running": running, "no_init": no_init, "diverged": diverged,
                        "bad_setting": bad_setting}.items():
         folder = tmp_path / "multirun" / name
@@ -134,16 +131,18 @@ def test_report_tables_plots_failed_and_incomplete_runs(multirun, capsys):
         assert f"]({name})" in md
     assert not list(out.glob("*.tmp"))
 
-    failed, incomplete = md.split("## Failed runs")[1].split("## Incomplete runs")
+    failed, rest = md.split("## Failed runs")[1].split("## Incomplete runs")
+    incomplete, damaged = rest.split("## Damaged records")
     assert failed.strip().splitlines() == [
         "- `bad_setting/results.json`: configuration error: retention.ratio=1.5 must lie in (0, 1] (after: nothing)",
         "- `diverged/results.json`: Divergence: distill: perplexity on eval set 'shakespeare' is nan at step 3 "
         "(tokens_seen 192) (after: initialized)"]
-    assert "`running/results.json`: status is 'running'" in incomplete
-    assert "`no_init/results.json`: missing key 'init_mode'" in incomplete
-    assert "`corrupt/nested/results.json`: unreadable" in incomplete
-    assert "failed" not in incomplete
-    assert "8 complete runs, 2 failed, 3 incomplete." in md
+    assert incomplete.strip().splitlines() == ["- `running/results.json`: status is 'initialized'"]
+    damaged = damaged.strip().splitlines()
+    assert damaged[0].startswith("- `corrupt/nested/results.json`: not valid JSON (")
+    assert damaged[1:] == ["- `no_init/results.json`: field 'init_mode': missing (a record with status 'complete' "
+                           "holds it)"]
+    assert "8 complete runs, 2 failed, 1 incomplete, 2 damaged." in md
 
 
 def test_other_baseline_and_out_folder(multirun, tmp_path):
@@ -182,12 +181,9 @@ def test_console_script(multirun, tmp_path):
 
 
 def _trained(init, stage, ppl, curve=None, nlu=None, tokens=(100,)):
-    data = _result("uniform", init, ppl, curve)
-    data["stage"] = stage
-    data["stages"] = {kind: {"tokens_seen": t} for kind, t in zip(("align", "distill"), tokens)}
-    if nlu is not None:
-        data["harness"] = {"student": {"tcal_cloze": {"acc": nlu}}}
-    return data
+    extra = {"harness": {"teacher": {}, "student": {"tcal_cloze": {"acc": nlu}}}} if nlu is not None else {}
+    stages = {kind: example_stage(kind, t) for kind, t in zip(("align", "distill"), tokens)}
+    return _result("uniform", init, ppl, curve, stage=stage, stages=stages, **extra)
 
 
 def test_tables_pick_runs_by_stage_and_after_training(tmp_path):
@@ -249,3 +245,32 @@ def test_position_table_and_plot(tmp_path):
     plot = tmp_path / "r" / "position_t1_uniform_r0.5_shakespeare.png"
     assert plot.read_bytes()[:8] == PNG_MAGIC
     assert f"]({plot.name})" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_a_damaged_record_is_named_and_the_good_run_reported(tmp_path, capsys):
+    """One good run, one record with a field of the wrong type and one of a newer schema version: the good run is
+    in the tables, each other one is named with its field and why, in report.md and on stderr."""
+    wrong_type = _result("uniform", "naive", 30.0)
+    wrong_type["keep_layers"] = "0,2"
+    records = {"good": _result("uniform", "full", 25.0), "wrong_type": wrong_type,
+               "newer": {**_result("uniform", "zero_gate", 40.0), "schema_version": 99}}
+    for name, data in records.items():
+        (tmp_path / "m" / name).mkdir(parents=True)
+        (tmp_path / "m" / name / "results.json").write_text(json.dumps(data))
+    assert main([str(tmp_path / "m"), "--out", str(tmp_path / "r")]) == 0
+    printed = capsys.readouterr()
+    assert _rows(tmp_path / "r" / "zero_shot.csv") == [
+        ["teacher", "policy", "ratio", "eval set", "teacher PPL", "full"],
+        ["t1", "uniform", "0.5", "shakespeare", "20.00", "25.00"]]
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "1 complete runs, 0 failed, 0 incomplete, 2 damaged." in md
+    assert md.split("## Damaged records")[1].strip().splitlines() == [
+        "- `newer/results.json`: field 'schema_version': version 99 is not one this tcal reads (0, 1); written by "
+        "another version of tcal?",
+        "- `wrong_type/results.json`: field 'keep_layers': expected a list, got '0,2'"]
+    assert printed.err.splitlines() == [
+        f"tcal-report: not read: {tmp_path / 'm' / 'newer' / 'results.json'}: field 'schema_version': version 99 is "
+        f"not one this tcal reads (0, 1); written by another version of tcal?",
+        f"tcal-report: not read: {tmp_path / 'm' / 'wrong_type' / 'results.json'}: field 'keep_layers': expected a "
+        f"list, got '0,2'"]
+    assert printed.out.strip() == md.strip()

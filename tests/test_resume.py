@@ -22,6 +22,7 @@ from tcal.app import CONF_DIR, resumed_config, run_in
 from tcal.arguments import check_arguments
 from tcal.errors import DamagedCheckpoint, FolderInUse
 from tcal.pipeline import run
+from tcal.record import example_record
 from tcal.rerun import resume_config
 
 TINY = ("experiment=smoke", "init=naive", "eval.num_windows=2")
@@ -178,7 +179,7 @@ def test_a_damaged_checkpoint_is_named_and_the_record_keeps_what_it_held(straigh
 def recorded_run(tmp_path):
     """A folder whose results.json records a distill run's config (what `tcal resume=` reads)."""
     cfg = compose(*TINY, *DISTILL, "paths.cache_dir=/cache/a")
-    (tmp_path / "results.json").write_text(json.dumps({"status": "initialized", "config": resolved(cfg)}))
+    (tmp_path / "results.json").write_text(json.dumps(example_record("initialized", config=resolved(cfg))))
     return tmp_path
 
 

@@ -372,18 +372,7 @@ def test_pipeline_ratio_one(run_cache, tmp_path):
 
 
 def test_retention_sweep_composes():
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from tcal.app import CONF_DIR
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = hydra_compose("config", overrides=["+sweep=retention_policies"], return_hydra_config=True)
-    finally:
-        GlobalHydra.instance().clear()
+    cfg = compose("+sweep=retention_policies", return_hydra_config=True)
     assert dict(cfg.hydra.sweeper.params) == {"retention": "uniform,ar,ga_s2", "init": "naive,full"}
     assert cfg.teacher.name == "smollm2_135m" and cfg.retention.ratio == 0.5
     assert set(POLICIES.names()) >= {"uniform", "ar", "ga_s2", "explicit"}

@@ -48,7 +48,8 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
     diverged, bad_setting, fine = (record(sweep_dir / str(i)) for i in range(3))
     assert (diverged["status"], diverged["failed_after"]) == ("failed", "initialized")
     assert diverged["curve"]["shakespeare"][0]["tokens"] == 0  # what it did before diverging
-    assert bad_setting == {"status": "failed", "failed_after": None, "config": bad_setting["config"],
+    assert bad_setting == {"schema_version": 1, "status": "failed", "failed_after": None,
+                           "config": bad_setting["config"],
                            "error": "configuration error: stage.lr_mixer=-1.0; expected a learning rate > 0"}
     assert bad_setting["config"]["stage"]["lr_mixer"] == -1
     assert fine["status"] == "complete" and fine["config"]["stage"]["lr_mixer"] == 1e-3
@@ -57,7 +58,7 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
     assert failed.strip().splitlines() == [
         f"- `0/results.json`: {diverged['error']} (after: initialized)",
         f"- `1/results.json`: {bad_setting['error']} (after: nothing)"]
-    assert "1 complete runs, 2 failed, 0 incomplete." in markdown
+    assert "1 complete runs, 2 failed, 0 incomplete, 0 damaged." in markdown
 
 
 @pytest.mark.slow

@@ -20,11 +20,12 @@ from safetensors.torch import load_file
 
 from tcal.app import CONF_DIR, resumed_config
 from tcal.convert import build_student
-from tcal.data import Document, load_splits, token_stream
+import tcal.data
+from tcal.data import Document, forget_token_streams, load_splits, token_stream, tokenize_documents
 from tcal.errors import ConfigError
 from tcal.pipeline import prepare, run
 from tcal.training import data as data_module
-from tcal.training.data import PackedTextDataModule, StepSampler, cached_token_stream, pack
+from tcal.training.data import StepSampler, pack
 from tcal.training.kd import chunked_kd_loss
 from tcal.training.run import plan_stages
 from tcal.training.stages import AlignStage, DistillStage
@@ -138,13 +139,15 @@ def test_token_cache_tokenizes_once(tmp_path, monkeypatch):
 
     tokenizer = load_tokenizer(compose("teacher=tiny_llama").teacher, repo_cache_dir())
     docs = [Document("a", "To be, or not to be: that is the question."), Document("b", "All the world's a stage.")]
-    first = cached_token_stream(docs, tokenizer, tmp_path)
-    assert torch.equal(first, token_stream(docs, tokenizer))
-    monkeypatch.setattr(data_module, "token_stream", lambda *a: pytest.fail("tokenized again"))
-    assert torch.equal(cached_token_stream(docs, tokenizer, tmp_path), first)
+    first = token_stream(docs, tokenizer, tmp_path)
+    assert torch.equal(first, tokenize_documents(docs, tokenizer))
+    monkeypatch.setattr(tcal.data, "tokenize_documents", lambda *a: pytest.fail("tokenized again"))
+    assert torch.equal(token_stream(list(docs), tokenizer), first)  # this process remembers the stream
+    forget_token_streams()
+    assert torch.equal(token_stream(docs, tokenizer, tmp_path), first)  # another process: read from disk
     (next((tmp_path / "tokens").iterdir())).write_bytes(b"truncated")  # a damaged entry is rebuilt
-    monkeypatch.setattr(data_module, "token_stream", token_stream)
-    assert torch.equal(cached_token_stream(docs, tokenizer, tmp_path), first)
+    monkeypatch.setattr(tcal.data, "tokenize_documents", tokenize_documents)
+    assert torch.equal(token_stream(docs, tokenizer, tmp_path), first)
 
 
 def _ngrams(stream: torch.Tensor, n: int) -> set[bytes]:

@@ -10,7 +10,6 @@ A configuration error (`tcal.errors.ConfigError`: a bad setting, unreadable data
 config group) prints one line on stderr and exits with code 2, before any work and without a traceback.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from omegaconf import OmegaConf
 
 from tcal.arguments import check_arguments
 from tcal.errors import ConfigError, Divergence
+from tcal.record import RESULTS, RecordError, load_record, read_record
 from tcal.settings import group_options
 from tcal.sweep import failed_jobs, sweep_job
 
@@ -30,10 +30,17 @@ CONFIG_ERROR_EXIT = 2
 def resumed_config(run_dir: Path, cfg=None, overrides: list[str] = ()):
     """The resolved config a run recorded in its results.json, to continue that run exactly; `cfg` (this
     command's config) may change only the keys safe to change on resume (`tcal.rerun.resume_config`)."""
-    results = Path(run_dir) / "results.json"
+    results = Path(run_dir) / RESULTS
     if not results.is_file():
         raise ConfigError(f"resume={str(run_dir)!r}: no results.json there; expected a run folder of `tcal`")
-    recorded = OmegaConf.create(json.loads(results.read_text())["config"])
+    try:
+        record = load_record(results)
+    except RecordError as err:
+        raise ConfigError(f"resume={str(run_dir)!r}: {err}; expected the record of a `tcal` run") from None
+    if "config" not in record:
+        raise ConfigError(f"resume={str(run_dir)!r}: {results} holds no config (its run failed before any work); "
+                          f"expected the record of a run that started: run it again instead")
+    recorded = OmegaConf.create(record["config"])
     recorded.resume = str(run_dir)
     if cfg is not None:
         from hydra import compose
@@ -46,7 +53,6 @@ def resumed_config(run_dir: Path, cfg=None, overrides: list[str] = ()):
 def earlier_run(cfg, run_dir: Path) -> str:
     """What `run_dir` holds for `cfg`: "none" (nothing), "complete" or "unfinished"; a run of another config
     there is refused (FolderInUse). A damaged results.json is warned about and run again."""
-    from tcal.record import read_record
     from tcal.rerun import folder_state
     return folder_state(Path(run_dir), read_record(run_dir), OmegaConf.to_container(cfg, resolve=True))
 
@@ -67,15 +73,35 @@ def run_in(cfg, run_dir: Path, ranks=None) -> None:
     run(cfg, run_dir, resume=earlier == "unfinished", ranks=ranks)
 
 
+def chosen_options(override) -> list[str]:
+    """The options a config-group override (parsed by Hydra) names: its value, each item of a list, each value of
+    a choice or range sweep; none for a deletion, null, or a glob (Hydra matches it against the options)."""
+    from hydra.errors import HydraException
+
+    if override.is_sweep_override():
+        try:
+            return list(override.sweep_string_iterator())
+        except HydraException:  # glob(...) needs Hydra's config loader; intervals are not options
+            return []
+    value = override.value()
+    return [str(item) for item in (value if isinstance(value, list) else [value]) if item not in (None, "")]
+
+
 def check_group_overrides(args: list[str]) -> None:
-    """`group=option` arguments name existing options (Hydra's own message spans many lines)."""
+    """`group=option` arguments name existing options (Hydra's own message spans many lines). Arguments Hydra's
+    override grammar does not read (flags, bad syntax) are left to `check_arguments`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
     for arg in args:
-        key, sep, value = arg.partition("=")
-        key = key.lstrip("+~").split("@")[0]
-        options = group_options(key) if sep and not key.startswith("hydra") else None
-        if options is None or value in ("", "null") or "(" in value:
-            continue  # not a group, a deletion, or a sweep function such as glob(...)
-        for option in value.strip("[]").split(","):
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except HydraException:
+            continue
+        key = override.key_or_group
+        options = None if key.startswith("hydra") else group_options(key)
+        for option in chosen_options(override) if options is not None else []:
             if option not in options:
                 raise ConfigError(f"{key}={option!r}: no such option in config group {key!r}; "
                                   f"expected one of {', '.join(options)}")

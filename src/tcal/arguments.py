@@ -10,11 +10,11 @@ compared with it here (the default config may not even have that key), as the jo
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from pathlib import Path
 
 from tcal.errors import ConfigError
+from tcal.record import RESULTS, RecordError, load_record
 from tcal.settings import CONF, GLOBAL_GROUPS, group_options, leaf_items, unknown_key_message
 
 RUN_FLAGS = ("-m", "--multirun", "-r", "--run")  # flags that leave the overrides as they are
@@ -119,11 +119,12 @@ def check_resume_overrides(run_dir: str, overrides: list[str]) -> None:
     from tcal.errors import FolderInUse
     from tcal.rerun import SAFE_ON_RESUME, describe, differing_keys
 
-    results = Path(run_dir) / "results.json"
     try:
-        recorded = json.loads(results.read_text(encoding="utf-8"))["config"]
-    except (OSError, ValueError, KeyError, TypeError):
+        recorded = load_record(Path(run_dir) / RESULTS).get("config")
+    except RecordError:
         return  # the job names the problem
+    if recorded is None:
+        return
     given = {}
     for arg in overrides:
         override = parse(arg)

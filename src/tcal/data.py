@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
+from tcal.cache import get_or_build, tensor_codec
 from tcal.errors import ConfigError, DataError, HubUnavailable
+from tcal.fingerprint import digest
 
 log = logging.getLogger(__name__)
 
@@ -107,17 +109,13 @@ def offline_message(cfg, cause: str) -> str:
 def check_dataset_reachable(cfg) -> None:
     """Offline, a hub dataset (`org/name`) that is neither a local folder nor in the datasets cache fails at
     once, before `datasets` spends its retries on it."""
-    import os
+    from tcal.hub import datasets_cache_dir, hub_dataset_cached, hub_offline
 
-    flags = [os.environ.get(name, "0").lower() for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")]
-    offline = any(flag not in ("0", "", "false", "no") for flag in flags)
     name = str(cfg.dataset)
-    if not offline or "/" not in name or Path(name).expanduser().exists():
+    if not hub_offline(datasets=True) or "/" not in name or Path(name).expanduser().exists():
         return
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
-    cache = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser()
-    if not (cache / name.replace("/", "___")).is_dir():
-        raise HubUnavailable(offline_message(cfg, f"offline, and not in the datasets cache {cache}"))
+    if not hub_dataset_cached(name):
+        raise HubUnavailable(offline_message(cfg, f"offline, and not in the datasets cache {datasets_cache_dir()}"))
 
 
 def dataset_documents(cfg) -> list[Document]:
@@ -172,8 +170,8 @@ def eval_sets(cfg, splits: Splits) -> dict[str, list[Document]]:
     return sets
 
 
-def token_stream(docs: list[Document], tokenizer) -> torch.Tensor:
-    """All documents tokenized and joined with the EOS token, as one 1D LongTensor."""
+def tokenize_documents(docs: list[Document], tokenizer) -> torch.Tensor:
+    """All documents tokenized and joined with the EOS token, as one 1D LongTensor (call `token_stream`)."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for doc in docs:
@@ -181,6 +179,44 @@ def token_stream(docs: list[Document], tokenizer) -> torch.Tensor:
         if eos is not None:
             ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def tokenizer_digest(tokenizer) -> str:
+    return digest(type(tokenizer).__name__, tokenizer.get_vocab(), tokenizer.eos_token_id)
+
+
+# (id of the tokenizer, the documents) -> (the tokenizer, kept so its id stays its own, the stream); newest last
+_STREAMS: dict[tuple, tuple] = {}
+STREAMS_KEPT = 8
+
+
+def _remembered_stream(docs: list[Document], tokenizer) -> torch.Tensor:
+    """`tokenize_documents`, once per process for the last few (tokenizer, documents) asked for."""
+    key = (id(tokenizer), tuple(docs))
+    entry = _STREAMS.pop(key, None) or (tokenizer, tokenize_documents(docs, tokenizer))
+    _STREAMS[key] = entry
+    while len(_STREAMS) > STREAMS_KEPT:
+        del _STREAMS[next(iter(_STREAMS))]
+    return entry[1]
+
+
+def forget_token_streams() -> None:
+    """Drop the streams this process remembers (the on-disk entries stay)."""
+    _STREAMS.clear()
+
+
+def token_stream(docs: list[Document], tokenizer, cache_dir: str | Path | None = None) -> torch.Tensor:
+    """All documents tokenized and joined with the EOS token, as one 1D LongTensor: the one way a split becomes
+    tokens. A process tokenizes the same documents once; with `cache_dir` the stream is also an on-disk entry
+    (`tcal.cache`, kind `tokens`, keyed by the tokenizer's vocabulary and the documents' names and text), so
+    the runs of a sweep tokenize once. The tensor is shared: callers slice or copy it, never write into it."""
+    if cache_dir is None:
+        return _remembered_stream(docs, tokenizer)
+    key = digest(tokenizer_digest(tokenizer), [(d.name, d.text) for d in docs])
+    codec = tensor_codec(lambda stream: ({"tokens": stream}, {"documents": len(docs)}),
+                         lambda tensors, record: tensors["tokens"])
+    return get_or_build("tokens", key, lambda: _remembered_stream(docs, tokenizer),
+                        folder=Path(cache_dir) / "tokens", codec=codec)
 
 
 def _window_stride(n_tokens: int, seq_len: int, num_windows: int) -> int:

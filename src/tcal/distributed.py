@@ -129,23 +129,6 @@ def split_work(ranks: Ranks, items: list, work: Callable[[object], T]) -> dict:
     return ranks.merge({item: work(item) for item in ranks.share(items)})
 
 
-def shared_entry(ranks: Ranks, read: Callable[[], T | None], build: Callable[[], T], write: Callable[[T], None],
-                 locked_get_or_build: Callable[[], T]) -> T:
-    """A cache entry that all ranks use: one process uses the cache's own locked get-or-build; several ranks
-    agree on rank 0's read, build it together when missing (`build` may use collectives, so no rank may sit
-    in a lock meanwhile), and rank 0 writes it."""
-    if not ranks.distributed:
-        return locked_get_or_build()
-    value = ranks.broadcast(read() if ranks.is_main else None)
-    if value is not None:
-        return value
-    value = build()
-    if ranks.is_main:
-        write(value)
-    ranks.barrier()
-    return value
-
-
 def is_rank_zero() -> bool:
     """Whether this process is rank 0 of its run (Lightning records the rank once the ranks are launched)."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only

@@ -1,5 +1,10 @@
 """The errors a user fixes in their input rather than in the code; `tcal` prints them on one line (exit code 2)."""
 
+from __future__ import annotations
+
+import math
+from typing import Callable
+
 
 class ConfigError(ValueError):
     """A setting the run cannot use; raised before any work, so the run directory stays empty."""
@@ -26,6 +31,19 @@ class Divergence(FloatingPointError):
     the tokens; the last good checkpoint (and the record so far) is kept."""
 
     @classmethod
-    def in_stage(cls, stage: str, what: str, value: float, step: int, tokens: int) -> "Divergence":
+    def in_stage(cls, stage: str, what: str, value: float, step: int, tokens: int) -> Divergence:
         return cls(f"{stage}: {what} is {value} at step {step} (tokens_seen {tokens}); stopping with the last "
                    f"checkpoint kept")
+
+    @classmethod
+    def in_phase2(cls, layer: int, value: float, step: int, tokens: int) -> Divergence:
+        """Phase 2 of one layer: that layer is left as it was before the step, and nothing of it is saved."""
+        return cls(f"phase 2: alignment loss of layer {layer} is {value} at step {step} ({tokens} calibration "
+                   f"tokens); stopping")
+
+
+def check_finite(value, divergence: Callable[[float], Divergence]) -> None:
+    """Raise `divergence(value)` when `value` (a number or a one-element tensor) is NaN or infinite."""
+    value = value.item() if hasattr(value, "item") else float(value)
+    if not math.isfinite(value):
+        raise divergence(value)

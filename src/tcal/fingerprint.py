@@ -41,6 +41,11 @@ def teacher_fingerprint(teacher) -> str:
     return cached
 
 
+def tokenizer_digest(tokenizer) -> str:
+    """Digest of what turns text into ids: the tokenizer's class, its vocabulary and its end-of-text id."""
+    return digest(type(tokenizer).__name__, tokenizer.get_vocab(), tokenizer.eos_token_id)
+
+
 def weights_digest(module) -> str:
     """Digest of every tensor in `module.state_dict()`: equal digests mean bit-identical weights."""
     return digest(*(tensor_bytes(t) for t in module.state_dict().values()))

@@ -28,7 +28,7 @@ from tcal.distributed import Ranks
 from tcal.evaluate.suite import format_table
 from tcal.fingerprint import weights_digest
 from tcal.gdn import kernel_path
-from tcal.record import read_record, records_failure, write_record
+from tcal.record import RESULTS, new_record, read_record, records_failure, write_record
 from tcal.rerun import check_checkpoints
 from tcal.tracking import finish, log_figures, make_logger
 from tcal.training.run import plan_stages, run_stage
@@ -92,21 +92,12 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
         student = api.build_student(ctx.teacher, selection.keep_layers, settings.init.gqa_expansion, settings.seed)
         student.to(ctx.device)
     device = ctx.device
-    results = {
-        "teacher": {"name": cfg.teacher.name, "num_layers": ctx.num_layers},
-        "retention": cfg.retention.name,
-        "ratio": cfg.retention.get("ratio"),
-        "keep_layers": selection.keep_layers,
-        "retention_scores": {str(k): v for k, v in selection.scores.items()},
-        "init_mode": cfg.init.name,
-        "gqa_expansion": cfg.init.gqa_expansion,
-        "stage": cfg.stage.name,
-        "kernel_path": kernel_path(device),
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "status": "converted",
-        "timings": timings,
-    }
-    results_path = run_dir / "results.json"
+    results = new_record(
+        teacher=cfg.teacher.name, num_layers=ctx.num_layers, retention=cfg.retention.name,
+        ratio=cfg.retention.get("ratio"), keep_layers=selection.keep_layers, retention_scores=selection.scores,
+        init_mode=cfg.init.name, gqa_expansion=cfg.init.gqa_expansion, stage=cfg.stage.name,
+        kernel_path=kernel_path(device), config=OmegaConf.to_container(cfg, resolve=True), timings=timings)
+    results_path = run_dir / RESULTS
     earlier = read_record(run_dir) if resume else None
 
     def save_results() -> None:

@@ -25,7 +25,7 @@ as one unit, so every forward and backward gathers all of its weights and gradie
 optimizer states are sharded. The peak is the sum of all of them, at the end of a forward: Lightning zeroes the
 gradients between the forward and the backward, so the previous step's are still held. It counts allocated tensors:
 not CUDA's context, nor free memory an allocator keeps (glibc's heap on the CPU, PyTorch's cache on CUDA).
-`tcal-bench plan` checks it against a measured Stage 2. A configuration error prints one line and exits with code 2,
+`make bench ARGS=plan` checks it against a measured Stage 2. A configuration error prints one line and exits with code 2,
 as `tcal` does.
 """
 
@@ -48,7 +48,8 @@ from tcal.errors import ConfigError
 
 GB = 2**30
 DEEPSPEED_BUCKET_ELEMENTS = 200_000_000  # Lightning's DeepSpeedStrategy reduce_bucket_size and allgather_bucket_size
-KL_CHUNK_TENSORS = 3  # [chunk, vocab] float32 tensors alive at once in one chunk of the fused KL (kd.py; tcal-bench kl_memory)
+# [chunk, vocab] float32 tensors alive at once in one chunk of the fused KL (kd.py; `make bench ARGS=kl_memory`)
+KL_CHUNK_TENSORS = 3
 FLA_CHUNK = 64  # fla's chunk size: its WY matrix A is [B, T, H, 64]
 
 
@@ -630,14 +631,23 @@ def compose_config(overrides: list[str]):
 
 
 def expand_sweeps(overrides: list[str]) -> list[list[str]]:
-    """`group=a,b` arguments of config groups expand into one override list per combination (as `tcal -m`)."""
-    from tcal.app import group_options
+    """Sweeps of config groups (`group=a,b`, `group=choice(a,b)`) expand into one override list per combination (as
+    `tcal -m`); every other argument, one Hydra's grammar cannot read included, is kept as it is."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
 
-    choices = []
+    from tcal.app import chosen_options, group_options
+
+    parser, choices = OverridesParser.create(), []
     for arg in overrides:
-        key, sep, value = arg.partition("=")
-        sweep = sep and "," in value and group_options(key.lstrip("+~")) is not None
-        choices.append([f"{key}={v}" for v in value.split(",")] if sweep else [arg])
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except HydraException:
+            choices.append([arg])
+            continue
+        sweep = override.is_sweep_override() and group_options(override.key_or_group) is not None
+        values = chosen_options(override) if sweep else []
+        choices.append([f"{override.get_key_element()}={v}" for v in values] or [arg])
     return [list(combo) for combo in itertools.product(*choices)]
 
 

@@ -1,42 +1,327 @@
-"""A run's record, `results.json`: how far the run got, and everything it found, kept whole across kills,
-resumes and failures.
+"""A run's record, `results.json`: its schema, how far the run got, and everything it found, kept whole across
+kills, resumes and failures (docs/method.md, section "The record: results.json").
 
+- One schema (`FIELDS`, version `SCHEMA_VERSION`): `new_record` starts the record, `write_record` checks it before
+  every write, `load_record` checks it on every read, and `example_record` builds a whole one for tests.
 - `status` says how far the run got: converted, initialized, trained_<stage> (in stage order), complete; or
-  failed, with `error` (what stopped it, on one line) and `failed_after` (the status it had reached).
+  failed, with `error` (what stopped it, on one line) and `failed_after` (the status it had reached). The fields a
+  record must hold grow with its status.
 - A resumed run starts from the record on disk: what it writes replaces those fields, everything else it held
   (curves, stage records) stays until replaced, and the status never goes back.
 - Strict JSON: NaN and infinite numbers are written as null and listed under `non_finite`.
+- A record without `schema_version` was written before the field existed: it is read as version 0, whose fields
+  are version 1's, and rewritten as version 1 when its run continues.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import OmegaConf
 
-from tcal.errors import ConfigError
+from tcal.errors import ConfigError, FolderInUse
 from tcal.results import null_non_finite, write_json_atomic
 
 log = logging.getLogger(__name__)
 
 RESULTS = "results.json"
+SCHEMA_VERSION = 1
+READABLE_VERSIONS = (0, 1)
 FAILURE_KEYS = ("error", "failed_after")
 NON_FINITE = "non_finite"
+STEPS = ("converted", "initialized", "trained", "complete")  # what a status has reached, in order
+STATUS = re.compile(r"converted|initialized|trained_[a-z0-9_]+|complete|failed")
 
 
-def _object(data):
+class RecordError(ValueError):
+    """A results.json that is not a record of this schema: the file, the field (dotted; None for the whole file)
+    and why."""
+
+    def __init__(self, path: str | Path, field: str | None, why: str):
+        self.path, self.field, self.why = Path(path), field, why
+        super().__init__(f"{path}: {self.problem}")
+
+    @property
+    def problem(self) -> str:
+        return f"field {self.field!r}: {self.why}" if self.field else self.why
+
+
+class _Mismatch(Exception):
+    def __init__(self, field: str, why: str):
+        super().__init__(why)
+        self.field, self.why = field, why
+
+
+# --- types: each check takes (value, dotted field) and raises _Mismatch ---
+
+Check = Callable[[object, str], None]
+
+
+def _is(types: tuple, expected: str, allow_none: bool = False) -> Check:
+    def check(value, field):
+        if value is None and allow_none:
+            return
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise _Mismatch(field, f"expected {expected}, got {value!r:.60}")
+    return check
+
+
+TEXT = _is((str,), "a string")
+INTEGER = _is((int,), "an integer")
+FLAG = _is((bool,), "true or false")
+NUMBER = _is((int, float), "a number (null for NaN or infinite)", allow_none=True)
+OBJECT = _is((dict,), "a JSON object")  # free-form: a resolved config, an init's measurements
+
+
+def nullable(check: Check) -> Check:
+    return lambda value, field: None if value is None else check(value, field)
+
+
+def list_of(item: Check) -> Check:
+    def check(value, field):
+        _is((list,), "a list")(value, field)
+        for i, element in enumerate(value):
+            item(element, f"{field}[{i}]")
+    return check
+
+
+def dict_of(item: Check) -> Check:
+    def check(value, field):
+        OBJECT(value, field)
+        for key, element in value.items():
+            item(element, f"{field}.{key}")
+    return check
+
+
+def shape(required: dict[str, Check], optional: dict[str, Check] | None = None) -> Check:
+    """A JSON object with exactly these keys (the optional ones may be absent)."""
+    optional = optional or {}
+
+    def check(value, field):
+        OBJECT(value, field)
+        for key, item in required.items():
+            if key not in value:
+                raise _Mismatch(f"{field}.{key}", "missing")
+        for key, element in value.items():
+            item = required.get(key) or optional.get(key)
+            if item is None:
+                raise _Mismatch(f"{field}.{key}", "not a field of this object")
+            item(element, f"{field}.{key}")
+    return check
+
+
+def _status(value, field):
+    TEXT(value, field)
+    if not STATUS.fullmatch(value):
+        raise _Mismatch(field, f"{value!r} is not a status (converted, initialized, trained_<stage>, complete, "
+                               f"failed)")
+
+
+CURVE = dict_of(list_of(shape({"tokens": INTEGER, "ppl": NUMBER})))  # eval set -> points
+STAGE_RECORD = shape(
+    {"kind": TEXT, "settings": OBJECT, "steps": INTEGER, "tokens_seen": INTEGER, "tokens_per_step": INTEGER,
+     "world_size": INTEGER, "seconds_this_process": NUMBER, "loss_first": NUMBER, "loss_last": NUMBER,
+     "rank_weight_digests": list_of(TEXT), "curve": CURVE, "resumed": FLAG, "cached": FLAG})
+STAGE_RUNNING = shape({"curve": CURVE})  # a stage still training holds its curve so far
+
+
+def is_stage_record(data) -> bool:
+    """Whether `data` is a finished stage's record (`results.json` `stages.<kind>`) of this schema."""
+    try:
+        STAGE_RECORD(data, "stage")
+    except _Mismatch:
+        return False
+    return True
+
+
+def _stage(value, field):
+    (STAGE_RUNNING if isinstance(value, dict) and set(value) == {"curve"} else STAGE_RECORD)(value, field)
+
+
+POSITION_BUCKET = shape({"start": INTEGER, "end": INTEGER, "tokens": INTEGER, "teacher_ppl": NUMBER,
+                         "student_ppl": NUMBER})
+EVAL_SET = shape({"teacher_ppl": NUMBER, "student_ppl": NUMBER}, {"by_position": list_of(POSITION_BUCKET)})
+HARNESS = shape({"teacher": dict_of(dict_of(NUMBER)), "student": dict_of(dict_of(NUMBER))})  # task -> metric
+RULER = shape({"teacher": dict_of(dict_of(NUMBER)), "student": dict_of(dict_of(NUMBER))})  # length -> task
+
+
+@dataclass(frozen=True)
+class Field:
+    """One top-level field: its type, and the step from which every record holds it (None: it may be absent;
+    "failed": only a failed record holds it)."""
+
+    check: Check
+    since: str | None
+    about: str
+
+
+FIELDS: dict[str, Field] = {
+    "schema_version": Field(INTEGER, None, "the version of this schema the record follows (absent: 0)"),
+    "status": Field(_status, "always", "how far the run got"),
+    "error": Field(TEXT, "failed", "what stopped a failed run, on one line"),
+    "failed_after": Field(nullable(_status), "failed", "the status a failed run had reached (null: nothing)"),
+    "config": Field(OBJECT, "converted", "the resolved Hydra config of the run"),
+    "teacher": Field(shape({"name": TEXT, "num_layers": INTEGER}), "converted", "the teacher and its depth"),
+    "retention": Field(TEXT, "converted", "the retention policy"),
+    "ratio": Field(NUMBER, "converted", "the share of layers kept (null for the explicit policy)"),
+    "keep_layers": Field(list_of(INTEGER), "converted", "the layers that stay softmax attention"),
+    "retention_scores": Field(dict_of(NUMBER), "converted", "layer -> the policy's score"),
+    "init_mode": Field(TEXT, "converted", "the init mode"),
+    "gqa_expansion": Field(TEXT, "converted", "how KV heads were expanded in the conversion"),
+    "stage": Field(TEXT, "converted", "the training stages (none: zero-shot)"),
+    "kernel_path": Field(TEXT, "converted", "the GDN kernel the run used"),
+    "timings": Field(dict_of(NUMBER), "converted", "step -> seconds"),
+    "calibration": Field(OBJECT, "initialized", "what the init mode measured"),
+    "init_weights_digest": Field(TEXT, "initialized", "digest of the initialized student's weights"),
+    "stages": Field(dict_of(_stage), None, "stage kind -> its record (a stage still training: its curve)"),
+    "curve": Field(CURVE, None, "the last stage's perplexity curve: eval set -> [{tokens, ppl}]"),
+    "metrics": Field(dict_of(EVAL_SET), "complete", "eval set -> teacher and student perplexity"),
+    "harness": Field(HARNESS, None, "lm-eval: teacher / student -> task -> metric -> value"),
+    "ruler": Field(RULER, None, "RULER: teacher / student -> length -> task -> exact match"),
+    "student_path": Field(TEXT, None, "where the student was exported"),
+    NON_FINITE: Field(shape({"note": TEXT, "values": list_of(TEXT)}), None, "the values written as null"),
+}
+
+
+def _step(status: str | None) -> int:
+    """How far `status` has reached in STEPS (-1: nothing)."""
+    if status is None or status == "failed":
+        return -1
+    return STEPS.index("trained" if status.startswith("trained_") else status)
+
+
+def required_fields(status: str, failed_after: str | None = None) -> list[str]:
+    """The fields every record of `status` holds (a failed one: those of the status it had reached, and its
+    error)."""
+    reached = _step(failed_after if status == "failed" else status)
+    return [name for name, spec in FIELDS.items()
+            if spec.since == "always" or spec.since == "failed" and status == "failed"
+            or spec.since in STEPS and reached >= STEPS.index(spec.since)]
+
+
+def _check_fields(data: dict) -> None:
+    for name, value in data.items():
+        if name not in FIELDS:
+            raise _Mismatch(name, "not a field of a results.json record")
+        FIELDS[name].check(value, name)
+    if "status" not in data:
+        raise _Mismatch("status", "missing")
+    status = data["status"]
+    for name in required_fields(status, data.get("failed_after")):
+        if name not in data:
+            raise _Mismatch(name, f"missing (a record with status {status!r} holds it)")
+    for name in FAILURE_KEYS:
+        if status != "failed" and name in data:
+            raise _Mismatch(name, f"only a failed record holds it (status is {status!r})")
+
+
+def schema_version(data: dict, path: str | Path) -> int:
+    """The record's schema version (0 when it has none), or RecordError when this code cannot read it."""
+    version = data.get("schema_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version not in READABLE_VERSIONS:
+        raise RecordError(path, "schema_version", f"version {json.dumps(version)} is not one this tcal reads "
+                                                  f"({', '.join(map(str, READABLE_VERSIONS))}); written by another "
+                                                  f"version of tcal?")
+    return version
+
+
+def check_record(data, path: str | Path) -> dict:
+    """`data` if it is a record of a readable schema version; RecordError naming `path` and the field otherwise."""
     if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
+        raise RecordError(path, None, "not a JSON object")
+    schema_version(data, path)
+    try:
+        _check_fields(data)
+    except _Mismatch as err:
+        raise RecordError(path, err.field, err.why) from None
     return data
 
 
-def read_record(run_dir: str | Path) -> dict | None:
-    """The record in `run_dir`, or None (none there; a damaged one is warned about)."""
-    from tcal.cache_entry import read_json  # imports torch: not before a config error could stop the job
+def _refuse_constant(token: str):
+    raise ValueError(f"{token} is not strict JSON")
 
-    return read_json(Path(run_dir) / RESULTS, "results of an earlier run", _object)
+
+def load_record(path: str | Path) -> dict:
+    """The record in the file `path`, checked against the schema; RecordError naming the file and the field
+    (or the problem with the whole file: unreadable, not JSON) otherwise."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecordError(path, None, f"cannot be read ({type(err).__name__}: {err})") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except ValueError as err:
+        raise RecordError(path, None, f"not valid JSON ({err})") from None
+    return check_record(data, path)
+
+
+def read_record(run_dir: str | Path) -> dict | None:
+    """The record in `run_dir`, or None: none there, or a damaged one (warned about: the run starts again). One of
+    an unknown schema version may hold another tcal's results: FolderInUse, and the folder is left as it is."""
+    path = Path(run_dir) / RESULTS
+    if not path.is_file():
+        return None
+    try:
+        return load_record(path)
+    except RecordError as err:
+        if err.field == "schema_version":
+            raise FolderInUse(f"{err}; expected a folder without a record or with one this tcal reads: pass another "
+                              f"hydra.run.dir / hydra.sweep.dir") from None
+        log.warning("results of an earlier run cannot be used: %s; starting again", err)
+        return None
+
+
+def new_record(*, teacher: str, num_layers: int, retention: str, ratio: float | None, keep_layers: list[int],
+               retention_scores: dict, init_mode: str, gqa_expansion: str, stage: str, kernel_path: str,
+               config: dict, timings: dict) -> dict:
+    """The record of a run that has just converted its student."""
+    return {"schema_version": SCHEMA_VERSION, "teacher": {"name": teacher, "num_layers": num_layers},
+            "retention": retention, "ratio": ratio, "keep_layers": list(keep_layers),
+            "retention_scores": {str(k): v for k, v in retention_scores.items()}, "init_mode": init_mode,
+            "gqa_expansion": gqa_expansion, "stage": stage, "kernel_path": kernel_path, "config": config,
+            "status": "converted", "timings": timings}
+
+
+def _stage_config(stage: str) -> dict:
+    if stage == "none":
+        return {"name": "none"}
+    if stage == "align_distill":
+        return {"name": stage, "sequence": ["align", "distill"]}
+    return {"name": stage, "kind": stage}
+
+
+def example_stage(kind: str = "distill", tokens_seen: int = 64, curve: dict | None = None) -> dict:
+    """A stage record as the training runner writes it (`results.json` `stages.<kind>`), for tests."""
+    return {"kind": kind, "settings": {"name": kind}, "steps": 1, "tokens_seen": tokens_seen,
+            "tokens_per_step": tokens_seen, "world_size": 1, "seconds_this_process": 0.5, "loss_first": 2.0,
+            "loss_last": 1.5, "rank_weight_digests": ["0" * 15], "curve": curve or {}, "resumed": False,
+            "cached": False}
+
+
+def example_record(status: str = "complete", failed_after: str | None = None, **fields) -> dict:
+    """A record as the pipeline writes it, checked against the schema, for tests: a 4-layer teacher "t1" with
+    layers 0 and 2 kept (uniform, ratio 0.5), init `full`, zero-shot, one eval set (shakespeare). `fields` replace
+    or add fields; a record short of "complete" holds only the fields of its status (and those given)."""
+    record = new_record(teacher="t1", num_layers=4, retention="uniform", ratio=0.5, keep_layers=[0, 2],
+                        retention_scores={}, init_mode="full", gqa_expansion="whole_head", stage="none",
+                        kernel_path="torch-chunk", config={}, timings={"convert": 0.1})
+    record.update(calibration={}, init_weights_digest="0" * 16,
+                  metrics={"shakespeare": {"teacher_ppl": 20.0, "student_ppl": 25.0}})
+    record.update(fields)
+    if "config" not in fields:
+        record["config"] = {"seed": 0, "stage": _stage_config(record["stage"])}
+    record["status"] = status
+    if status == "failed":
+        record.update(failed_after=failed_after, error=fields.get("error", "RuntimeError: an example failure"))
+    kept = {"schema_version", *required_fields(status, failed_after), *fields}
+    return check_record({k: v for k, v in record.items() if k in kept}, "example record")
 
 
 def reached(record: dict) -> str | None:
@@ -56,7 +341,8 @@ def progress(record: dict) -> int:
 
 def write_record(path: str | Path, results: dict, earlier: dict | None = None) -> None:
     """Write `results` atomically, first brought up to what is recorded: the fields of `earlier` (the record
-    this run continues) it does not have yet, the further of the two statuses, non-finite values as null."""
+    this run continues) it does not have yet, the further of the two statuses, non-finite values as null, this
+    schema's version. A record that does not fit the schema is refused (RecordError) before anything is written."""
     if earlier:
         for key, value in earlier.items():
             if key not in FAILURE_KEYS and key != NON_FINITE:
@@ -67,6 +353,8 @@ def write_record(path: str | Path, results: dict, earlier: dict | None = None) -
     found = null_non_finite(results)
     if found:
         results[NON_FINITE] = {"note": "NaN or infinite values, written as null", "values": found}
+    results["schema_version"] = SCHEMA_VERSION
+    check_record(results, path)
     write_json_atomic(path, results)
 
 

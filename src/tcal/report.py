@@ -4,7 +4,8 @@ Writes report.md, one CSV per table (same cells as the Markdown), one PNG of per
 and, for runs evaluated with `eval.position_buckets`, one PNG of the student/teacher perplexity ratio against
 position in the window, per teacher x policy x ratio x eval set, then prints the Markdown. Runs that cannot be
 used are listed with the reason, never dropped silently; failed runs (status "failed": a bad setting in a
-sweep job, divergence, a crash) are listed apart with their error.
+sweep job, divergence, a crash) are listed apart with their error, and records that cannot be read (damaged, or
+of an unknown schema version: `tcal.record.load_record`) apart again, each with its field and why, also on stderr.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tcal.evaluate.local_tasks import nlu_average
+from tcal.record import RESULTS, RecordError, load_record
 from tcal.results import write_atomic, write_text_atomic
 from tcal.tracking import finish, log_table, wandb_logger
 
@@ -92,57 +94,37 @@ class Run:
         return self.init_mode if self.gqa_expansion == "whole_head" else f"{self.init_mode} ({self.gqa_expansion})"
 
 
-def _require(data: dict, dotted: str):
-    node = data
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise IncompleteRun(f"missing key '{dotted}'")
-        node = node[part]
-    return node
-
-
 def load_run(path: Path) -> Run:
-    """Parse one results.json; raises IncompleteRun naming the missing key or the problem."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise IncompleteRun(f"unreadable: {err}") from None
-    if not isinstance(data, dict):
-        raise IncompleteRun("not a JSON object")
-    status = _require(data, "status")
+    """One results.json as a Run; RecordError when it is damaged or of an unknown schema version (it names the
+    field), FailedRun or IncompleteRun when its run failed or has not finished."""
+    data = load_record(path)
+    status = data["status"]
     if status == "failed":
-        raise FailedRun(f"{data.get('error') or 'no error recorded'} (after: {data.get('failed_after') or 'nothing'})")
+        raise FailedRun(f"{data['error']} (after: {data['failed_after'] or 'nothing'})")
     if status != "complete":
         raise IncompleteRun(f"status is {status!r}")
-    try:
-        return _normalize(Path(path), data)
-    except KeyError as err:
-        raise IncompleteRun(f"malformed: missing key {err}") from None
-    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as err:
-        raise IncompleteRun(f"malformed: {err}") from None
+    return _normalize(Path(path), data)
 
 
 def _normalize(path: Path, data: dict) -> Run:
-    metrics = _require(data, "metrics")
-    ratio = data.get("ratio")
+    metrics = data["metrics"]
+    ratio = data["ratio"]
     if ratio is None:
-        ratio = len(_require(data, "keep_layers")) / _require(data, "teacher.num_layers")
+        ratio = len(data["keep_layers"]) / data["teacher"]["num_layers"]
     if not _ppl_by_set(metrics, "student_ppl"):
-        raise IncompleteRun("missing key 'metrics.<eval set>.student_ppl'")
+        raise IncompleteRun("'metrics' holds no student perplexity (no eval set, or each null: NaN or infinite)")
     harness, ruler = data.get("harness") or {}, data.get("ruler") or {}
     return Run(
-        path=path, teacher=str(_require(data, "teacher.name")), policy=str(_require(data, "retention")),
-        ratio=round(float(ratio), 4), init_mode=str(_require(data, "init_mode")),
-        gqa_expansion=str(data.get("gqa_expansion", "whole_head")),
+        path=path, teacher=data["teacher"]["name"], policy=data["retention"], ratio=round(float(ratio), 4),
+        init_mode=data["init_mode"], gqa_expansion=data["gqa_expansion"],
         teacher_ppl=_ppl_by_set(metrics, "teacher_ppl"), student_ppl=_ppl_by_set(metrics, "student_ppl"),
         nlu={role: nlu_average(harness[role]) if harness.get(role) else None for role in ("teacher", "student")},
-        ruler={role: _mean(v for by_task in (ruler.get(role) or {}).values() for v in by_task.values())
-               for role in ("teacher", "student")},
+        ruler={role: _mean(v for by_task in (ruler.get(role) or {}).values() for v in by_task.values()
+                           if v is not None) for role in ("teacher", "student")},
         curve=_curve_points(data.get("curve") or {}),
         by_position={name: [_position_bucket(b) for b in m["by_position"]] for name, m in metrics.items()
-                     if isinstance(m, dict) and m.get("by_position")},
-        stage=str(data.get("stage") or (data.get("config") or {}).get("stage", {}).get("name", "none")),
-        tokens_trained=sum(int(r.get("tokens_seen", 0)) for r in (data.get("stages") or {}).values()),
+                     if m.get("by_position")},
+        stage=data["stage"], tokens_trained=sum(r["tokens_seen"] for r in (data.get("stages") or {}).values()),
     )
 
 
@@ -169,26 +151,41 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def collect(folder: Path) -> tuple[list[Run], list[tuple[Path, str]], list[tuple[Path, str]]]:
-    """Every results.json below `folder`: the usable runs, (path, error) of the failed ones and (path, reason)
-    for the rest."""
-    runs, failed, problems, seen = [], [], [], {}
-    for path in sorted(Path(folder).rglob("results.json")):
+@dataclass
+class Collected:
+    """Every results.json below a folder, sorted out: the usable runs, (path, error) of the failed ones,
+    (path, reason) of the unfinished or unusable ones, and the records that cannot be read (RecordError)."""
+
+    runs: list[Run] = field(default_factory=list)
+    failed: list[tuple[Path, str]] = field(default_factory=list)
+    incomplete: list[tuple[Path, str]] = field(default_factory=list)
+    damaged: list[RecordError] = field(default_factory=list)
+
+
+def collect(folder: Path) -> Collected:
+    """Every results.json below `folder`, sorted out; of two runs of the same group, init and stage the second is
+    listed as incomplete."""
+    found, seen = Collected(), {}
+    for path in sorted(Path(folder).rglob(RESULTS)):
         try:
             run = load_run(path)
+        except RecordError as err:
+            found.damaged.append(err)
+            continue
         except FailedRun as err:
-            failed.append((path, str(err)))
+            found.failed.append((path, str(err)))
             continue
         except IncompleteRun as err:
-            problems.append((path, str(err)))
+            found.incomplete.append((path, str(err)))
             continue
         key = (run.group, run.init, run.stage)
         if key in seen:
-            problems.append((path, f"duplicate of {seen[key]} (same teacher, policy, ratio, init, stage); ignored"))
+            found.incomplete.append((path, f"duplicate of {seen[key]} (same teacher, policy, ratio, init, stage); "
+                                           f"ignored"))
             continue
         seen[key] = path
-        runs.append(run)
-    return runs, failed, problems
+        found.runs.append(run)
+    return found
 
 
 # --- tables ---
@@ -493,7 +490,10 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
     also receives each table (W&B tables for a dashboard)."""
     folder, out_dir = Path(folder), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs, failed, problems = collect(folder)
+    found = collect(folder)
+    runs = found.runs
+    for err in found.damaged:
+        print(f"tcal-report: not read: {err}", file=sys.stderr, flush=True)
     efficiency, efficiency_notes = efficiency_table(runs, baseline, calibrated)
     tables = {"zero_shot": ("Zero-shot perplexity (student; NLU avg and RULER are student scores)",
                             zero_shot_table(runs), []),
@@ -504,7 +504,8 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
               "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs), []),
               "by_position": ("Zero-shot perplexity by position in the window (student PPL and student/teacher per "
                               "bucket of positions)", position_table(runs), [])}
-    counts = f"{len(runs)} complete runs, {len(failed)} failed, {len(problems)} incomplete."
+    counts = (f"{len(runs)} complete runs, {len(found.failed)} failed, {len(found.incomplete)} incomplete, "
+              f"{len(found.damaged)} damaged.")
     parts = [f"# tcal report: {folder}\n\n{counts}\n"]
     for name, (title, table, notes) in tables.items():
         write_csv(out_dir / f"{name}.csv", table)
@@ -513,7 +514,9 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
         parts.append(f"## {title}\n\n{markdown_table(table)}{listed_notes}")
     plots = plot_curves(runs, out_dir) + plot_positions(runs, out_dir)
     parts.append("## Plots\n\n" + ("".join(f"- ![{p.stem}]({p.name})\n" for p in plots) or "_No curves._\n"))
-    for title, listed in (("Failed runs", failed), ("Incomplete runs", problems)):
+    damaged = [(err.path, err.problem) for err in found.damaged]
+    for title, listed in (("Failed runs", found.failed), ("Incomplete runs", found.incomplete),
+                          ("Damaged records", damaged)):
         lines = "".join(f"- `{path.relative_to(folder)}`: {why}\n" for path, why in listed)
         parts.append(f"## {title}\n\n" + (lines or "None.\n"))
     markdown = "\n".join(parts)
@@ -522,6 +525,8 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tcal.dashboard import publish, wandb_target  # it builds on this module's tables
+
     parser = argparse.ArgumentParser(prog="tcal-report", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a run or multirun folder (searched recursively)")
     parser.add_argument("--out", type=Path, help="output folder (default: FOLDER/report)")
@@ -529,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrated", type=lambda text: [init.strip() for init in text.split(",")],
                         help="comma-separated inits compared with the baseline (default: every other init with a curve)")
     parser.add_argument("--wandb-project", help="also log the tables to this W&B project (WANDB_MODE=offline works)")
+    parser.add_argument("--wandb", type=wandb_target, metavar="ENTITY/PROJECT",
+                        help="also build the W&B report of init curves and tables (tcal.dashboard); saved there "
+                             "with credentials, else its spec is written to the output folder")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder")
@@ -539,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                               config={"folder": str(args.folder)})
     print(build_report(args.folder, out, args.baseline, args.calibrated, logger))
     finish(logger)
-    return 0
+    return publish(args.folder, out, args.wandb, args.baseline, args.calibrated) if args.wandb else 0
 
 
 if __name__ == "__main__":

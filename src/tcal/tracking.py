@@ -34,6 +34,16 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+def tokens_metric(kind: str) -> str:
+    """The key of a training stage's token count, logged with every row of that stage (the curves' x axis)."""
+    return f"{kind}/tokens_seen"
+
+
+def curve_metric(kind: str, eval_set: str) -> str:
+    """The key of a training stage's perplexity on `eval_set` (one point per evaluation)."""
+    return f"{kind}/ppl/{eval_set}"
+
+
 def wandb_has_credentials() -> bool:
     netrc = Path.home() / ".netrc"
     return bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
@@ -64,7 +74,7 @@ class ContinuedExperimentWriter(ExperimentWriter):
             return
         with self._fs.open(self.metrics_file_path, "r", newline="") as handle:
             rows = list(csv.DictReader(handle))
-        column = f"{kind}/tokens_seen"
+        column = tokens_metric(kind)
         kept = [row for row in rows if not row.get(column) or tokens is not None and float(row[column]) <= tokens]
         if len(kept) < len(rows):
             text = io.StringIO()

@@ -27,11 +27,13 @@ from tcal.calibration.phase1 import PHASE1_RULES
 from tcal.convert import GQA_EXPANSIONS, validate_keep_layers
 from tcal.data import SOURCES, check_dataset_reachable, token_stream
 from tcal.errors import ConfigError
+from tcal.hub import hub_model_cached, hub_offline, looks_local
 from tcal.init import INIT_MODES
 from tcal.retention import POLICIES, num_kept
+from tcal.schedule import SCHEDULES
 from tcal.settings import is_known, known_keys, leaf_keys, unknown_key_message
 from tcal.teachers import ADAPTERS
-from tcal.teachers.load import _DTYPES, hub_offline, looks_local
+from tcal.teachers.load import DTYPES
 from tcal.training.run import BUDGET_KEYS, stages_of, world_size
 from tcal.training.stages import STAGES
 
@@ -39,7 +41,6 @@ from tcal.training.stages import STAGES
 PRECISIONS = ("16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true", "64-true", "32", "16", "bf16", "64",
               "transformer-engine", "transformer-engine-float16")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
-SCHEDULES = ("constant", "cosine")
 LOGGERS = ("none", "csv", "wandb")
 HARNESSES = ("none", "local", "paper")
 RULERS = ("none", "default")
@@ -280,7 +281,7 @@ def check_stages(cfg) -> None:
         if "kl_chunk_size" in node:
             positive_int(f"{prefix}.kl_chunk_size", node.kl_chunk_size)
         if node.get("teacher_dtype") is not None:
-            one_of(f"{prefix}.teacher_dtype", node.teacher_dtype, sorted(_DTYPES))
+            one_of(f"{prefix}.teacher_dtype", node.teacher_dtype, sorted(DTYPES))
 
 
 def check_trainer(cfg) -> None:
@@ -306,7 +307,7 @@ def check_trainer(cfg) -> None:
 
 def check_teacher(cfg) -> None:
     teacher = cfg.teacher
-    one_of("teacher.dtype", teacher.dtype, sorted(_DTYPES))
+    one_of("teacher.dtype", teacher.dtype, sorted(DTYPES))
     if not any(teacher.get(k) for k in ("path", "gguf_file", "config")):
         raise ConfigError(f"teacher {teacher.name!r} names no weights; expected one of teacher.path (a local model "
                           f"folder or hub id), teacher.gguf_file, teacher.config")
@@ -343,18 +344,9 @@ def check_pretrained_path(key: str, path: str, model: bool) -> None:
         return
     if folder.exists() or looks_local(path):
         raise ConfigError(f"{key}={path!r}: no such local folder; expected a model folder or a hub id (org/name)")
-    if hub_offline() and not hub_cached(path):
+    if hub_offline() and not hub_model_cached(path):
         raise ConfigError(f"{key}={path!r} is a hub id, but HF_HUB_OFFLINE is set and it is not in the local hub "
                           f"cache; pass a local path: {key}=/local/folder")
-
-
-def hub_cached(repo_id: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-    except ValueError:  # not a valid repo id
-        return False
 
 
 def check_logger(cfg) -> None:
@@ -436,7 +428,7 @@ def validate_config(cfg) -> None:
 def validate_plan(cfg) -> None:
     """What `tcal-plan` needs of a config, none of it about this machine (a plan is made for another one): the
     settings, budgets and lengths, and the teacher's shape; no GPU, data or hub checks."""
-    one_of("teacher.dtype", cfg.teacher.dtype, sorted(_DTYPES))
+    one_of("teacher.dtype", cfg.teacher.dtype, sorted(DTYPES))
     check_architecture(cfg.teacher)
     one_of("trainer.accelerator", str(cfg.trainer.accelerator), ACCELERATORS)
     one_of("trainer.precision", str(cfg.trainer.precision), PRECISIONS)
@@ -478,8 +470,7 @@ def check_split_tokens(ctx, cfg) -> None:
         source = f"data.eval_files entry {files[name]!r}" if name in files else "the evaluation split"
         needs.append((f"eval.num_windows={cfg.eval.num_windows} windows of eval.seq_len={cfg.eval.seq_len}",
                       cfg.eval.num_windows * cfg.eval.seq_len, docs, source))
-    counts: dict[int, int] = {}
     for what, need, docs, source in needs:
-        have = counts.setdefault(id(docs), token_stream(docs, ctx.tokenizer).numel())
+        have = token_stream(docs, ctx.tokenizer).numel()
         if have < need:
             raise ConfigError(f"{what} need {need} tokens, but {source} has {have}; lower them or give more text")

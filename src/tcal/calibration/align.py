@@ -8,14 +8,13 @@ is pulled towards the teacher attention module's output y_T on the same input.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from tcal.errors import Divergence
+from tcal.errors import Divergence, check_finite
 from tcal.gdn import GatedDeltaNet
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -83,38 +82,45 @@ def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, 
     """Phase 2: full-batch AdamW on the alignment loss for `cfg.steps` steps; keep the lowest-loss state."""
     before = alignment_metrics(gdn, x, target, mask)
     optimizer, trainable = phase2_optimizer(gdn, cfg)
-    best_loss, best_state, best_step, losses = float("inf"), None, 0, []
+    best, losses = BestState(), []
+    tokens = x.shape[0] * x.shape[1] if mask is None else int(mask.sum())
     with only_trainable(gdn, trainable):
         for step in range(int(cfg.steps)):
             loss = alignment_loss(gdn, x, target, mask)
             losses.append(loss.item())
-            check_finite_loss(losses[-1], gdn, step, x.shape[0] * x.shape[1] if mask is None else int(mask.sum()))
-            if losses[-1] < best_loss:
-                best_loss, best_state, best_step = losses[-1], snapshot(gdn), step
+            check_finite(losses[-1], lambda value: Divergence.in_phase2(gdn.layer_idx, value, step, tokens))
+            best.offer(gdn, losses[-1], step)
             optimizer_step(optimizer, trainable, loss, cfg.grad_clip)
             if progress is not None:
                 progress.update(1)
-        final = alignment_loss_value(gdn, x, target, mask)
-        if final < best_loss:
-            best_loss, best_step = final, int(cfg.steps)
-        else:
-            gdn.load_state_dict(best_state)
+        best.settle(gdn, alignment_loss_value(gdn, x, target, mask), int(cfg.steps))
     after = alignment_metrics(gdn, x, target, mask)
     return {"loss_before": before["mse"], "cosine_before": before["cosine"], "loss_after": after["mse"],
-            "cosine_after": after["cosine"], "best_step": best_step, "losses": losses}
-
-
-def check_finite_loss(loss: float, gdn: GatedDeltaNet, step: int, tokens: int) -> None:
-    """Stop Phase 2 at the first NaN or Inf loss, naming the layer, step and tokens (the layer is left as it
-    was before that step; nothing of it is saved)."""
-    if not math.isfinite(loss):
-        raise Divergence(f"phase 2: alignment loss of layer {gdn.layer_idx} is {loss} at step {step} "
-                         f"({tokens} calibration tokens); stopping")
+            "cosine_after": after["cosine"], "best_step": best.step, "losses": losses}
 
 
 @torch.no_grad()
 def snapshot(module) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class BestState:
+    """The lowest loss offered so far, its step, and a copy of the module's state at that moment (Phase 2 keeps
+    the state of its lowest loss, not its last)."""
+
+    def __init__(self):
+        self.loss, self.step, self.state = float("inf"), None, None
+
+    def offer(self, module: torch.nn.Module, loss: float, step: int) -> None:
+        if loss < self.loss:
+            self.loss, self.step, self.state = loss, step, snapshot(module)
+
+    def settle(self, module: torch.nn.Module, loss: float, step: int) -> None:
+        """The last offer: `module` keeps its state when `loss` is the lowest, else gets the best state back."""
+        if loss < self.loss:
+            self.loss, self.step, self.state = loss, step, None
+        else:
+            module.load_state_dict(self.state)
 
 
 @torch.no_grad()

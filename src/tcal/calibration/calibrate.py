@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
 
-from tcal.cache_entry import load_tensors, save_tensors
+from tcal.cache import get_or_build_each, tensor_codec
 from tcal.calibration.align import align_layer, alignment_metrics
 from tcal.calibration.phase1 import apply_phase1
 from tcal.calibration.stats import collect_teacher_stats
@@ -70,38 +70,25 @@ def artifact_key(teacher, layer: int, phases, batch: torch.Tensor, settings: dic
 
 
 class ArtifactStore:
-    """One safetensors file per calibrated layer: its GDN state dict, with its calibration record as JSON in the
-    file's metadata (`tcal.cache_entry`: written whole; an unreadable file is recalibrated with a warning)."""
+    """Where calibrated layers are cached: one safetensors file per layer, its GDN state dict with its
+    calibration record as JSON metadata (`tcal.cache`, kind `calibration`). `folder=None`: no cache."""
 
     def __init__(self, folder: Path | None):
         self.folder = Path(folder) if folder is not None else None
 
-    def path(self, key: str) -> Path:
-        return self.folder / f"{key}.safetensors"
 
-    def load(self, key: str):
-        if self.folder is None:
-            return None
-        entry = load_tensors(self.path(key), "calibration artifact")
-        if entry is not None and not (entry[0] and isinstance(entry[1], dict)):
-            log.warning("calibration artifact %s is foreign (no state or record); recalibrating", self.path(key))
-            entry = None
-        return None if entry is None else {"state": entry[0], "record": entry[1]}
-
-    def save(self, key: str, state: dict, record: dict) -> None:
-        if self.folder is not None:
-            save_tensors(self.path(key), state, record)
+def _layer_entry(value: dict) -> tuple[dict, dict]:
+    record = {k: v for k, v in value["record"].items() if k not in ("cached", "rank")}
+    return value["state"], record
 
 
-def load_cached(gdns: dict[int, GatedDeltaNet], keys: dict[int, str], store: ArtifactStore) -> dict[int, dict]:
-    """Load every layer whose artifact exists (in place); their records, marked cached."""
-    records: dict[int, dict] = {}
-    for i, gdn in gdns.items():
-        cached = store.load(keys[i])
-        if cached is not None:
-            gdn.load_state_dict(cached["state"])
-            records[i] = {**cached["record"], "cached": True}
-    return records
+def _layer_value(state: dict, record) -> dict:
+    if not state or not isinstance(record, dict):
+        raise ValueError("no GDN state or no record in it (a foreign file)")
+    return {"state": state, "record": {**record, "cached": True}}
+
+
+LAYER = tensor_codec(_layer_entry, _layer_value)
 
 
 def calibration_store(ctx) -> ArtifactStore:
@@ -123,24 +110,36 @@ def float32_master(gdn: GatedDeltaNet):
 
 
 def calibrate_shared(gdns: dict[int, GatedDeltaNet], keys: dict[int, str], store: ArtifactStore, ranks: Ranks,
-                     calibrate_some: Callable[[list[int]], dict[int, dict]]) -> dict[int, dict]:
-    """Cached layers are loaded; the others are split across ranks: each rank calibrates its share
-    (`calibrate_some(layers)` -> records, each layer saved to the store), then every rank receives every layer's
-    weights and record, so each layer is built once however many ranks run."""
-    records = load_cached(gdns, keys, store)
-    todo = ranks.broadcast([i for i in gdns if i not in records])  # rank 0's view, so all ranks agree
-    if not todo:
-        return dict(sorted(records.items()))
+                     calibrate_some: Callable[[list[int]], Iterator[tuple[int, dict]]]) -> dict[int, dict]:
+    """Each layer read from the cache (its weights loaded in place, its record marked cached) or calibrated:
+    the layers not in the cache are calibrated together by `calibrate_some(layers)` (yielding each layer's
+    record as it is done, so each is cached at once), split across ranks, and every rank receives every layer's
+    weights and record. Each layer is built once however many ranks and jobs need it (`tcal.cache`)."""
+
+    def build_some(todo: list[int]):
+        for i, record in calibrate_split(todo, gdns, ranks, calibrate_some):
+            yield i, {"state": gdns[i].state_dict(), "record": record}
+
+    values = get_or_build_each("calibration", keys, build_some, folder=store.folder, codec=LAYER, ranks=ranks)
+    for i, value in values.items():
+        if value["record"]["cached"]:
+            gdns[i].load_state_dict(value["state"])
+    return {i: values[i]["record"] for i in sorted(values)}
+
+
+def calibrate_split(todo: list[int], gdns: dict[int, GatedDeltaNet], ranks: Ranks,
+                    calibrate_some: Callable[[list[int]], Iterator[tuple[int, dict]]]) -> Iterator[tuple[int, dict]]:
+    """(layer, record) as each layer of `todo` is done. One process yields each as it finishes; several ranks
+    each calibrate their share, then every rank holds every layer's weights and record."""
+    if not ranks.distributed:
+        yield from calibrate_some(todo)
+        return
     mine = ranks.share(todo)
-    if ranks.distributed:
-        log.info("rank %d of %d calibrates layers %s (of %s)", ranks.rank, ranks.world_size, mine, todo)
-    built = calibrate_some(mine) if mine else {}
-    if ranks.distributed:
-        built = {i: {**r, "rank": ranks.rank} for i, r in built.items()}
-        for position, i in enumerate(todo):
-            ranks.broadcast_module(gdns[i], src=ranks.owner(position))
-    records.update(ranks.merge(built))
-    return dict(sorted(records.items()))
+    log.info("rank %d of %d calibrates layers %s (of %s)", ranks.rank, ranks.world_size, mine, todo)
+    built = {i: {**r, "rank": ranks.rank} for i, r in (calibrate_some(mine) if mine else [])}
+    for position, i in enumerate(todo):
+        ranks.broadcast_module(gdns[i], src=ranks.owner(position))
+    yield from sorted(ranks.merge(built).items())
 
 
 def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tensor, cfg, phases,
@@ -155,22 +154,19 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
     settings = plain(cfg)
     keys = {i: artifact_key(teacher, i, phases, batch, settings, gdn, check) for i, gdn in gdns.items()}
 
-    def calibrate_some(todo: list[int]) -> dict[int, dict]:
+    def calibrate_some(todo: list[int]) -> Iterator[tuple[int, dict]]:
         log.info("calibrating layers %s (%s) on %s calibration tokens", todo, "+".join(phases), batch.numel())
         stats = collect_teacher_stats(teacher, batch, layers=todo, block_size=int(cfg.block_size))
         check_stats = None if check is None else collect_teacher_stats(teacher, check, layers=todo,
                                                                         block_size=int(cfg.block_size))
         steps = int(cfg.phase2.steps) if "phase2" in phases else 0
         bar = tqdm(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
-        records = {}
-        for i in todo:
-            with float32_master(gdns[i]) as gdn:
-                record = calibrate_one(gdn, i, stats[i], None if check_stats is None else check_stats[i], cfg,
-                                       phases, bar, 0 if check is None else check.numel())
-            store.save(keys[i], gdns[i].state_dict(), record)
-            records[i] = {**record, "cached": False}
-        bar.close()
-        return records
+        with bar:
+            for i in todo:
+                with float32_master(gdns[i]) as gdn:
+                    record = calibrate_one(gdn, i, stats[i], None if check_stats is None else check_stats[i], cfg,
+                                           phases, bar, 0 if check is None else check.numel())
+                yield i, {**record, "cached": False}
 
     return calibrate_shared(gdns, keys, store, ranks or Ranks(), calibrate_some)
 

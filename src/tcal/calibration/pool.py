@@ -10,14 +10,14 @@ does not pay for that.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
 from tcal.calibration.align import (
-    snapshot,
+    BestState,
     alignment_loss,
     alignment_metrics,
     only_trainable,
@@ -31,6 +31,7 @@ from tcal.convert import layer_generator
 from tcal.data import every_nth, token_windows
 from tcal.distributed import Ranks
 from tcal.gdn import GatedDeltaNet
+from tcal.schedule import lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -58,30 +59,6 @@ def minibatches(num_windows: int, batch_size: int, steps: int, generator: torch.
     return order[:need].view(steps, batch_size)
 
 
-def lr_factor(schedule: str, steps: int):
-    """Each group's learning-rate multiplier at a step: `constant`, or `cosine` from 1 down to 0 over the run
-    (large steps while far from the fit, small ones once minibatch noise dominates)."""
-    if schedule == "constant":
-        return lambda step: 1.0
-    if schedule == "cosine":
-        return lambda step: 0.5 * (1.0 + math.cos(math.pi * step / steps))
-    raise ValueError(f"phase2.schedule={schedule!r}; expected constant or cosine")
-
-
-class BestState:
-    """The lowest held-out loss offered so far and a copy of the layer's state at that moment."""
-
-    def __init__(self):
-        self.loss, self.step, self.state = float("inf"), None, None
-
-    def offer(self, module: torch.nn.Module, loss: float, step: int) -> None:
-        if loss < self.loss:
-            self.loss, self.step, self.state = loss, step, snapshot(module)
-
-    def restore(self, module: torch.nn.Module) -> None:
-        module.load_state_dict(self.state)
-
-
 def align_on_pool(gdn: GatedDeltaNet, fit: tuple, held_out: tuple, cfg, generator: torch.Generator,
                   progress: tqdm | None = None) -> dict:
     """Phase 2 on minibatches of `fit` = (inputs [N, T, D], targets): `cfg.steps` AdamW steps of
@@ -89,26 +66,26 @@ def align_on_pool(gdn: GatedDeltaNet, fit: tuple, held_out: tuple, cfg, generato
     picks the state that is kept. `cfg.schedule` shapes the learning rate over the steps."""
     draws = minibatches(fit[0].shape[0], int(cfg.batch_size), int(cfg.steps), generator)
     optimizer, trainable = phase2_optimizer(gdn, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg.schedule, len(draws)))
+    factor = lr_factor(cfg.schedule, len(draws), setting="phase2.schedule")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     best, held_out_curve, losses = BestState(), [], []
 
-    def select(step: int) -> None:
+    def held_out_loss(step: int) -> float:
         metrics = alignment_metrics(gdn, *held_out)
         held_out_curve.append([step, metrics["mse"], metrics["cosine"]])
-        best.offer(gdn, metrics["mse"], step)
+        return metrics["mse"]
 
     with only_trainable(gdn, trainable):
         for step, windows in enumerate(draws):
             if step % int(cfg.select_every) == 0:
-                select(step)
+                best.offer(gdn, held_out_loss(step), step)
             loss = alignment_loss(gdn, fit[0][windows], fit[1][windows])
             losses.append(loss.item())
             optimizer_step(optimizer, trainable, loss, cfg.grad_clip)
             scheduler.step()
             if progress is not None:
                 progress.update(1)
-        select(len(draws))
-    best.restore(gdn)
+        best.settle(gdn, held_out_loss(len(draws)), len(draws))
     first, kept = held_out_curve[0], next(c for c in held_out_curve if c[0] == best.step)
     return {"held_out_loss_before": first[1], "held_out_cosine_before": first[2], "held_out_loss_after": kept[1],
             "held_out_cosine_after": kept[2], "best_step": best.step, "held_out_curve": held_out_curve,
@@ -132,22 +109,18 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
     keys = {i: artifact_key(teacher, i, ["full_plus"], pool.fit, {**settings, "seed": seed}, gdn, pool.held_out)
             for i, gdn in gdns.items()}
 
-    def calibrate_some(todo: list[int]) -> dict[int, dict]:
+    def calibrate_some(todo: list[int]) -> Iterator[tuple[int, dict]]:
         log.info("full_plus: layers %s on a pool of %d + %d held-out windows", todo, len(pool.fit),
                  len(pool.held_out))
-        bar = tqdm(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step")
-        records = {}
-        for group in layer_groups(todo, layers_per_pass):
-            fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
-            held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
-            for i in group:
-                with float32_master(gdns[i]) as gdn:
-                    record = calibrate_layer_on_pool(gdn, i, fit_stats.pop(i), held_stats.pop(i), phase1_rules,
-                                                     phase1_cfg, phase2_cfg, seed, bar)
-                store.save(keys[i], gdns[i].state_dict(), record)
-                records[i] = {**record, "cached": False}
-        bar.close()
-        return records
+        with tqdm(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step") as bar:
+            for group in layer_groups(todo, layers_per_pass):
+                fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
+                held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
+                for i in group:
+                    with float32_master(gdns[i]) as gdn:
+                        record = calibrate_layer_on_pool(gdn, i, fit_stats.pop(i), held_stats.pop(i), phase1_rules,
+                                                         phase1_cfg, phase2_cfg, seed, bar)
+                    yield i, {**record, "cached": False}
 
     return calibrate_shared(gdns, keys, store, ranks or Ranks(), calibrate_some)
 

@@ -10,10 +10,7 @@ inputs and outputs that Phase 2 regresses on.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -239,78 +236,3 @@ def collect_teacher_stats(
     if missing:
         raise RuntimeError(f"attention of layers {missing} never ran through {ATTN_NAME}")
     return {i: col.result(i) for i in layers}
-
-
-# ---------------------------------------------------------------- memory benchmark helper
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _measure_child(path, mode, seq_len, block_size, queue):
-    """Load the saved teacher, warm it up, reset the RSS high-water mark, run one forward."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_pretrained(path)  # safetensors: no pickle
-    teacher.eval()
-    vocab = teacher.config.vocab_size
-    warm = torch.randint(vocab, (1, 8))
-    ids = torch.randint(vocab, (1, seq_len))
-    run = (
-        (lambda x: teacher(x))
-        if mode == "plain"
-        else (lambda x: collect_teacher_stats(teacher, x, block_size=block_size, keep_tensors=True))
-    )
-    with torch.no_grad():
-        run(warm)  # fault in weights and lazy initialisation before measuring
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        before = _rss_kib("VmRSS")
-        result = run(ids)
-        peak = _rss_kib("VmHWM")
-    del result
-    queue.put((peak * 1024, (peak - before) * 1024))
-
-
-def _measure(path, mode, seq_len, block_size) -> tuple[int, int]:
-    """(peak resident bytes, peak increase over the warmed-up process) of one forward in a fresh process."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_measure_child, args=(path, mode, seq_len, block_size, queue))
-    proc.start()
-    value = queue.get()
-    proc.join()
-    return value
-
-
-def peak_memory_report(teacher, seq_len: int = 4096, block_size: int = 256) -> dict:
-    """Peak RSS increase of a plain forward vs collect_teacher_stats, each in a fresh process.
-
-    Also reports the bytes an output_attentions=True approach would hold for the attention maps
-    alone (float32, one sequence). Linux only (/proc). The teacher is saved to a temporary folder.
-    """
-    cfg = teacher.config
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "teacher")
-        teacher.save_pretrained(path)
-        plain = _measure(path, "plain", seq_len, block_size)
-        stats = _measure(path, "stats", seq_len, block_size)
-    attn_maps = cfg.num_hidden_layers * cfg.num_attention_heads * seq_len * seq_len * 4
-    return {
-        "seq_len": seq_len,
-        "block_size": block_size,
-        "plain_forward_peak_bytes": plain[0],
-        "stats_forward_peak_bytes": stats[0],
-        "stats_over_plain_peak": stats[0] / max(plain[0], 1),
-        "plain_forward_increase_bytes": plain[1],
-        "stats_forward_increase_bytes": stats[1],
-        "stats_over_plain_increase": stats[1] / max(plain[1], 1),
-        "output_attentions_bytes": attn_maps,
-        "output_attentions_over_stats_increase": attn_maps / max(stats[1], 1),
-    }

@@ -10,12 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
-import socket
 from pathlib import Path
-from urllib.parse import urlparse
 
+from tcal.hub import hub_reachable, offline_mode
 from tcal.results import write_text_atomic
 
 CLOZE_TASK = "tcal_cloze"
@@ -139,27 +137,6 @@ def _task_yaml(task: str, data: Path) -> str:
     return head + body + "metadata:\n  version: 1.0\n"
 
 
-@contextlib.contextmanager
-def _offline_mode():
-    """Offline flags for `datasets`/`huggingface_hub`, which read the environment only at import."""
-    import datasets
-    import huggingface_hub.constants as hub_constants
-
-    saved_env = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
-    saved = (datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE)
-    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def run_harness(model, tokenizer, task_names, include_path=None, batch_size: int = 8,
                 max_length: int = 512, limit=None, num_fewshot: int | None = None,
                 offline: bool = True) -> dict[str, dict[str, float]]:
@@ -168,7 +145,7 @@ def run_harness(model, tokenizer, task_names, include_path=None, batch_size: int
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    mode = _offline_mode() if offline else contextlib.nullcontext()
+    mode = offline_mode() if offline else contextlib.nullcontext()
     with mode:
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                   max_length=max_length, device=str(model.device))
@@ -204,28 +181,15 @@ def nlu_average(results: dict[str, dict[str, float]]) -> float | None:
     return sum(scores) / len(scores) if scores else None
 
 
-def _hub_reachable(timeout: float) -> bool:
-    import huggingface_hub.constants as hub_constants
-
-    if hub_constants.HF_HUB_OFFLINE:
-        return False
-    url = urlparse(hub_constants.ENDPOINT)
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def check_paper_tasks_available(tasks=None, timeout: float = 3.0) -> None:
     """Raise a RuntimeError naming the paper datasets that neither the hub nor the cache can supply."""
     tasks = list(tasks) if tasks is not None else [*PAPER_TASKS, *(t for t, _ in PAPER_FEWSHOT_TASKS)]
-    if _hub_reachable(timeout):
+    if hub_reachable(timeout):
         return
     import datasets
 
     missing = []
-    with _offline_mode():
+    with offline_mode():
         for task in tasks:
             path, name = _PAPER_DATASETS[task]
             try:

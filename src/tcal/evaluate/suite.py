@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from tcal.cache_entry import get_or_build, read_json_entry, write_json
+from tcal.cache import get_or_build, json_codec
 from tcal.data import Document, eval_sets, token_windows
-from tcal.distributed import shared_entry
 from tcal.evaluate.validation import validate_windows
-from tcal.fingerprint import digest, plain, teacher_fingerprint
+from tcal.fingerprint import digest, plain, teacher_fingerprint, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -23,24 +22,12 @@ def _docs_digest(docs: list[Document]) -> str:
 
 
 def cached_teacher(ctx, kind: str, settings, compute, collective: bool = False):
-    """`compute()` for the teacher, memoized on disk by teacher weights, `kind` and `settings`. `collective`:
-    every rank calls this and `compute` runs on all of them together (rank 0 writes the entry)."""
-    tokenizer = digest(type(ctx.tokenizer).__name__, ctx.tokenizer.get_vocab())
-    key = digest(teacher_fingerprint(ctx.teacher), tokenizer, kind, settings)
-    path = ctx.cache_dir / "teacher_eval" / f"{kind}-{key}.json"
-
-    def read(p=path):
-        return read_json_entry(p, "teacher figure cache", lambda record: record["value"])
-
-    def write(p, value) -> None:
-        write_json(p, {"kind": kind, "settings": settings, "value": value})
-
-    def locked():
-        return get_or_build(path, read, compute, write)
-
-    if not collective:
-        return locked()
-    return shared_entry(ctx.ranks, read, compute, lambda value: write(path, value), locked)
+    """`compute()` for the teacher, memoized on disk (`tcal.cache`, kind `teacher_eval`) by teacher weights,
+    `kind` and `settings`. `collective`: every rank calls this and `compute` runs on all of them together."""
+    key = digest(teacher_fingerprint(ctx.teacher), tokenizer_digest(ctx.tokenizer), kind, settings)
+    codec = json_codec(lambda value: {"kind": kind, "settings": settings, "value": value})
+    return get_or_build("teacher_eval", f"{kind}-{key}", compute, folder=ctx.cache_dir / "teacher_eval",
+                        codec=codec, ranks=ctx.ranks if collective else None)
 
 
 def position_buckets(eval_cfg) -> tuple[int, ...] | None:
@@ -139,7 +126,8 @@ def ruler(ctx, student) -> dict | None:
 
 
 def evaluate(ctx, student) -> dict:
-    """The results.json entries of the zero-shot evaluation (ranks other than 0 return after the perplexities)."""
+    """The results.json entries of the zero-shot evaluation, `metrics`, `harness` and `ruler` (their fields:
+    `tcal.record`; ranks other than 0 return after the perplexities)."""
     out = {"metrics": perplexities(ctx, student)}
     if not ctx.ranks.is_main:
         return out

@@ -23,9 +23,8 @@ from typing import Callable
 
 import torch
 
-from tcal.cache_entry import get_or_build, read_json_entry, write_json
+from tcal.cache import Codec, get_or_build, json_codec
 from tcal.data import token_stream, token_windows
-from tcal.distributed import shared_entry
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -61,56 +60,27 @@ def selection_key(cfg, ctx, extra: dict | None = None) -> tuple[str, dict]:
     return digest(parts), parts
 
 
-class ScoreCache:
+def score_folder(cfg, ctx) -> Path | None:
+    """Where scores are cached (none with `retention.cache=false`)."""
+    return ctx.cache_dir / "retention" if cfg.cache else None
+
+
+def score_codec(key: str, parts: dict) -> Codec[dict[int, float]]:
     """One JSON file per key: `{"key": ..., "parts": ..., "scores": {"layer": score}}`."""
-
-    def __init__(self, folder: Path | None):
-        self.folder = Path(folder) if folder is not None else None
-
-    def path(self, policy: str, key: str) -> Path:
-        return self.folder / f"{policy}-{key}.json"
-
-    def load(self, policy: str, key: str) -> dict[int, float] | None:
-        if self.folder is None:
-            return None
-        return read_json_entry(self.path(policy, key), "retention score cache",
-                         lambda record: {int(k): float(v) for k, v in record["scores"].items()})
-
-    def save(self, policy: str, key: str, parts: dict, scores: dict[int, float]) -> None:
-        if self.folder is None:
-            return
-        write_json(self.path(policy, key),
-                   {"key": key, "parts": parts, "scores": {str(k): v for k, v in sorted(scores.items())}})
-
-
-def score_cache(cfg, ctx) -> ScoreCache:
-    return ScoreCache(ctx.cache_dir / "retention" if cfg.cache else None)
+    return json_codec(lambda scores: {"key": key, "parts": parts,
+                                      "scores": {str(k): v for k, v in sorted(scores.items())}},
+                      lambda record: {int(k): float(v) for k, v in record["scores"].items()})
 
 
 def cached_scores(cfg, ctx, score: Callable[[], dict[int, float]], extra: dict | None = None) -> dict[int, float]:
-    """Per-layer scores from the cache, or from `score()` (then saved)."""
+    """Per-layer scores from the cache (`tcal.cache`, kind `retention`), or from `score()` (then saved)."""
     key, parts = selection_key(cfg, ctx, extra)
-    cache = score_cache(cfg, ctx)
 
     def compute() -> dict[int, float]:
         return {int(i): finite_or_inf(s) for i, s in score().items()}
 
-    if cache.folder is None:
-        return compute()
-
-    path = cache.path(cfg.name, key)
-
-    def read(_path: Path = path) -> dict[int, float] | None:
-        scores = cache.load(cfg.name, key)
-        if scores is not None:
-            log.info("retention %s: scores read from %s", cfg.name, path)
-        return scores
-
-    def write(_path: Path, scores: dict[int, float]) -> None:
-        cache.save(cfg.name, key, parts, scores)
-
-    return shared_entry(ctx.ranks, read, compute, lambda scores: write(path, scores),
-                        lambda: get_or_build(path, read, compute, write))
+    return get_or_build("retention", f"{cfg.name}-{key}", compute, folder=score_folder(cfg, ctx),
+                        codec=score_codec(key, parts), ranks=ctx.ranks)
 
 
 def finite_or_inf(value: float) -> float:

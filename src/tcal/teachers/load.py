@@ -8,26 +8,27 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 
+from tcal.cache import key_lock
 from tcal.errors import ConfigError
+from tcal.hub import hub_offline, looks_local
 from tcal.results import write_folder_atomic
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 def package_file(package: str, filename: str) -> Path:
@@ -41,11 +42,6 @@ def package_file(package: str, filename: str) -> Path:
     return path
 
 
-def looks_local(path: str) -> bool:
-    """Hub ids are `org/name`; anything rooted or deeper is meant as a folder."""
-    return path.startswith((".", "/", "~")) or path.count("/") > 1
-
-
 def resolve_pretrained(path: str) -> str:
     """A local folder, or a hub id; fails clearly for a missing local folder or an unreachable hub."""
     expanded = Path(path).expanduser()
@@ -54,14 +50,6 @@ def resolve_pretrained(path: str) -> str:
     if looks_local(path):
         raise FileNotFoundError(f"teacher.path={path!r}: no such local folder")
     return path
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE set (in the environment, or as huggingface_hub read it at import)."""
-    import huggingface_hub.constants
-
-    return (os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
-            or bool(huggingface_hub.constants.HF_HUB_OFFLINE))
 
 
 def _from_pretrained(loader, path: str, trust_remote_code: bool = False, **kwargs):
@@ -84,8 +72,19 @@ def _gguf_folder(cfg, cache_dir: Path) -> Path:
 def _gguf_cached(cfg, cache_dir: Path, dtype: torch.dtype) -> Path:
     """Convert the packaged GGUF teacher once into a safetensors folder (dequantized, tokenizer included)."""
     folder = _gguf_folder(cfg, cache_dir)
-    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+    if _converted(folder):
         return folder
+    with key_lock(folder):  # parallel jobs convert once: the others wait, then use the folder
+        if _converted(folder):
+            return folder
+        return _convert_gguf(cfg, folder, dtype)
+
+
+def _converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
+
+
+def _convert_gguf(cfg, folder: Path, dtype: torch.dtype) -> Path:
     gguf = package_file(cfg.package, cfg.gguf_file)
     log.info("converting %s to safetensors in %s (once)", gguf.name, folder)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -100,7 +99,7 @@ def _gguf_cached(cfg, cache_dir: Path, dtype: torch.dtype) -> Path:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    return write_folder_atomic(folder, write, replace=False)  # a parallel job may have converted it first
+    return write_folder_atomic(folder, write, replace=False)
 
 
 def trust_remote_code(cfg) -> bool:

@@ -1,8 +1,8 @@
 """Training data: the training split tokenized once, packed into fixed-length windows, served by token budget.
 
-The token stream of a split is cached on disk (`paths.cache_dir/tokens/<key>.safetensors`, keyed by the
-tokenizer's vocabulary and the documents' names and text), so the runs of a sweep tokenize once. Only the
-training split is read here: calibration and evaluation documents never reach a training batch.
+The token stream of a split is cached on disk (`tcal.data.token_stream`, `paths.cache_dir/tokens/`), so the
+runs of a sweep tokenize once. Only the training split is read here: calibration and evaluation documents never
+reach a training batch.
 
 Batches are a pure function of (seed, global step, rank): step s on rank r reads the windows
 `(s * world + r) * batch_size ...` of a seeded sequence of shuffled epochs over the windows, and the sampler
@@ -20,31 +20,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from tcal.cache_entry import get_or_build, load_tensors, save_tensors
 from tcal.data import Document, token_stream
 from tcal.errors import ConfigError
-from tcal.fingerprint import digest
 
 log = logging.getLogger(__name__)
-
-
-def tokenizer_digest(tokenizer) -> str:
-    return digest(type(tokenizer).__name__, tokenizer.get_vocab(), tokenizer.eos_token_id)
-
-
-def cached_token_stream(docs: list[Document], tokenizer, cache_dir: Path | None) -> torch.Tensor:
-    """`token_stream(docs, tokenizer)`, memoized on disk by tokenizer and document content."""
-    if cache_dir is None:
-        return token_stream(docs, tokenizer)
-    key = digest(tokenizer_digest(tokenizer), [(d.name, d.text) for d in docs])
-    path = Path(cache_dir) / "tokens" / f"{key}.safetensors"
-
-    def read(p: Path) -> torch.Tensor | None:
-        entry = load_tensors(p, "token cache")
-        return None if entry is None else entry[0]["tokens"]
-
-    return get_or_build(path, read, lambda: token_stream(docs, tokenizer),
-                        lambda p, stream: save_tensors(p, {"tokens": stream}, {"documents": len(docs)}))
 
 
 def pack(stream: torch.Tensor, seq_len: int, source: str = "training split") -> torch.Tensor:
@@ -101,7 +80,7 @@ class PackedTextDataModule(L.LightningDataModule):
                  seed: int, cache_dir: Path | None = None):
         super().__init__()
         self.seq_len, self.batch_size, self.total_steps, self.seed = int(seq_len), int(batch_size), int(total_steps), seed
-        self.windows = pack(cached_token_stream(train_docs, tokenizer, cache_dir), self.seq_len)
+        self.windows = pack(token_stream(train_docs, tokenizer, cache_dir), self.seq_len)
         self.eval_loaders: Callable[[], list[DataLoader]] = lambda: []  # the eval sets, set by the stage runner
 
     def val_dataloader(self) -> list[DataLoader]:

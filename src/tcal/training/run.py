@@ -1,5 +1,6 @@
 """Running the stages of the `stage` setting after the init: planning (checked before any work), Lightning Trainers,
-checkpoints and resume, the Stage 1 cache, and the stage records of results.json.
+checkpoints and resume, the Stage 1 cache (`tcal.cache`, kind `stage1`), and the stage records of results.json
+(their fields: `tcal.record`).
 
 `stage=none` has no stages; `align` and `distill` have one; `align_distill` runs `stage.align` then
 `stage.distill`. Budgets are tokens: a stage runs max_tokens // (batch_size * seq_len * world size) steps and
@@ -18,12 +19,13 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tcal.cache_entry import load_tensors, save_tensors
+from tcal.cache import Codec, get_or_build, tensor_codec
 from tcal.config import TrainerSettings, stages_of
 from tcal.data import eval_sets, token_windows
 from tcal.distributed import world_size
 from tcal.evaluate.validation import eval_dataloaders
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
+from tcal.record import is_stage_record
 from tcal.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
 from tcal.tracking import drop_rows_after
@@ -61,50 +63,41 @@ def plan_stages(ctx) -> list[StagePlan]:
     return plans
 
 
-class Stage1Cache:
-    """Finished Stage 1 students' GDN weights and records (one safetensors file each, `tcal.cache_entry`), keyed
-    by everything they depend on, so many Stage 2 runs start from one Stage 1."""
+def stage1_key(ctx, student, plan: StagePlan) -> str:
+    """Everything a finished Stage 1 depends on: teacher, keep list, the GDN layers' starting weights, the stage
+    settings, its training windows, the seed and the number of ranks."""
+    gdn_start = [tensor_bytes(t) for t in gdn_state(student).values()]
+    return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, stage1_settings(plan.cfg),
+                  tensor_bytes(plan.data.windows), int(ctx.settings.seed), world_size(ctx.settings.trainer))
 
-    def __init__(self, folder: Path | None):
-        self.folder = folder
 
-    def key(self, ctx, student, plan: StagePlan) -> str:
-        gdn_start = [tensor_bytes(t) for t in self.gdn_state(student).values()]
-        return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, self.settings(plan.cfg),
-                      tensor_bytes(plan.data.windows), int(ctx.settings.seed), world_size(ctx.settings.trainer))
+def stage1_settings(cfg) -> dict:
+    """The Stage 1 settings that shape its result: `stage=align` and the align part of `stage=align_distill`
+    share entries (nested nodes a sweep adds to one of them, `cache`, `cache_tokens` and `name` do not count)."""
+    return {k: v for k, v in plain(cfg).items()
+            if not isinstance(v, dict) and k not in ("cache", "cache_tokens", "name")}
 
-    @staticmethod
-    def settings(cfg) -> dict:
-        """The Stage 1 settings that shape its result: `stage=align` and the align part of `stage=align_distill`
-        share entries (nested nodes a sweep adds to one of them, `cache`, `cache_tokens` and `name` do not count)."""
-        return {k: v for k, v in plain(cfg).items()
-                if not isinstance(v, dict) and k not in ("cache", "cache_tokens", "name")}
 
-    def path(self, key: str) -> Path:
-        return self.folder / f"{key}.safetensors"
+def gdn_state(student) -> dict:
+    """The GDN layers' parameters under their names in the student's state dict."""
+    return {f"model.layers.{i}.self_attn.{k}": v for i in student.config.gdn_layers
+            for k, v in student.gdn(i).state_dict().items()}
 
-    def load(self, key: str, student) -> dict | None:
-        entry = None if self.folder is None else load_tensors(self.path(key), "Stage 1 cache entry")
-        if entry is None:
-            return None
-        state, record = entry
-        own = self.gdn_state(student)
-        fits = state.keys() == own.keys() and all(state[k].shape == v.shape for k, v in own.items())
-        if not fits or not isinstance(record, dict) or "curve" not in record:
-            log.warning("Stage 1 cache entry %s does not fit this student (foreign file); training again", key)
-            return None
+
+def stage1_codec(student) -> Codec[tuple[dict, object]]:
+    """A finished Stage 1 as one safetensors file: the GDN layers' weights, the stage record as metadata. Read
+    back, the weights go into `student` (an entry whose tensors do not fit it is foreign)."""
+
+    def decode(state: dict, record) -> tuple[dict, object]:
+        own = gdn_state(student)
+        if state.keys() != own.keys() or any(state[k].shape != v.shape for k, v in own.items()):
+            raise ValueError("its GDN weights do not fit this student (a foreign file)")
+        if not is_stage_record(record):
+            raise ValueError("its record is not a stage record of this schema (a foreign file, or older code's)")
         student.load_state_dict(state, strict=False)
-        return {**record, "cached": True}
+        return {**record, "cached": True}, student
 
-    @staticmethod
-    def gdn_state(student) -> dict:
-        """The GDN layers' parameters under their names in the student's state dict."""
-        return {f"model.layers.{i}.self_attn.{k}": v for i in student.config.gdn_layers
-                for k, v in student.gdn(i).state_dict().items()}
-
-    def save(self, key: str, student, record: dict) -> None:
-        if self.folder is not None:
-            save_tensors(self.path(key), self.gdn_state(student), record)
+    return tensor_codec(lambda done: (gdn_state(done[1]), done[0]), decode)
 
 
 def make_trainer(trainer_settings: TrainerSettings, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Trainer:
@@ -197,14 +190,20 @@ def unsharded_student(trainer, student, ctx, kind: str):
 def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
     """Train `student` for one stage; returns (the stage's record: summary and curve, the trained student). The
     student is trained in place except under FSDP and DeepSpeed, whose full weights come back in a fresh copy."""
+    if plan.kind == "align":
+        folder = ctx.cache_dir / "stage1" / ctx.settings.teacher.name if plan.cfg.cache else None
+        record, student = get_or_build("stage1", stage1_key(ctx, student, plan),
+                                       lambda: train_stage(plan, ctx, student, logger, on_curve, resume),
+                                       folder=folder, codec=stage1_codec(student), ranks=ctx.ranks)
+        if record["cached"]:
+            on_curve(record["curve"])
+        return record, student
+    return train_stage(plan, ctx, student, logger, on_curve, resume)
+
+
+def train_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
+    """`run_stage` without the Stage 1 cache."""
     settings = ctx.settings
-    cache = Stage1Cache(ctx.cache_dir / "stage1" / settings.teacher.name
-                        if plan.kind == "align" and plan.cfg.cache else None)
-    key = cache.key(ctx, student, plan) if cache.folder is not None else None
-    if key is not None and (cached := cache.load(key, student)) is not None:
-        log.info("stage align: reused from the Stage 1 cache (%s)", key)
-        on_curve(cached["curve"])
-        return cached, student
     ev = settings.eval
     windows = {name: token_windows(docs, ctx.tokenizer, int(ev.seq_len), int(ev.num_windows))
                for name, docs in eval_sets(settings.data, ctx.splits).items()}
@@ -240,6 +239,4 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
         print(f"stage {plan.kind}: {module.tokens_seen:,} tokens in {trainer.global_step} steps, {seconds:.0f} s "
               f"in this process; loss {loss_text(module.loss_first)} -> {loss_text(module.loss_last)}; "
               + ", ".join(f"ppl {n} {first[n]:.2f} -> {final[n]:.2f}" for n in final), flush=True)
-        if key is not None:
-            cache.save(key, student, record)
     return record, student

@@ -9,17 +9,17 @@ Both count `tokens_seen`, summed over all ranks, and log every metric with it as
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Callable
 
-import lightning as L
 import torch
 
 from tcal.calibration.align import alignment_loss, capture_teacher_io
 from tcal.evaluate.validation import PerplexityValidation
-from tcal.errors import Divergence
+from tcal.errors import Divergence, check_finite
 from tcal.fingerprint import weights_digest
+from tcal.schedule import lr_factor
+from tcal.tracking import curve_metric, tokens_metric
 from tcal.training.kd import chunked_kd_loss
 
 log = logging.getLogger(__name__)
@@ -29,14 +29,7 @@ Curve = dict[str, list[dict]]  # eval set -> [{"tokens": int, "ppl": float}, ...
 
 def lr_schedule(optimizer, name: str, total_steps: int, min_lr_ratio: float = 0.0):
     """`constant` or `cosine` (from each group's lr down to min_lr_ratio * lr over total_steps), per step."""
-    if name == "constant":
-        factor = lambda step: 1.0  # noqa: E731
-    elif name == "cosine":
-        def factor(step: int) -> float:
-            progress = min(step / max(total_steps, 1), 1.0)
-            return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    else:
-        raise ValueError(f"stage.schedule={name!r}; expected constant or cosine")
+    factor = lr_factor(name, total_steps, min_lr_ratio, "stage.schedule")
     return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}
 
 
@@ -128,8 +121,8 @@ class StageModule(PerplexityValidation):
         return self.tokens_seen
 
     def check_finite(self, loss: torch.Tensor, what: str = "loss") -> None:
-        if not torch.isfinite(loss):
-            raise Divergence.in_stage(self.kind, what, loss.item(), self.global_step, self.tokens_seen)
+        check_finite(loss, lambda value: Divergence.in_stage(self.kind, what, value, self.global_step,
+                                                             self.tokens_seen))
 
     def log_step(self, loss: torch.Tensor, extra: dict) -> None:
         """Loss, extras, tokens_seen (also the logger's step) and throughput, on the progress bar too."""
@@ -140,7 +133,7 @@ class StageModule(PerplexityValidation):
         start_time, start_tokens = self._clock or (now, self.tokens_seen)
         speed = (self.tokens_seen - start_tokens) / (now - start_time) if now > start_time else 0.0
         metrics = {f"{self.kind}/loss": loss.detach(), **{f"{self.kind}/{k}": v for k, v in extra.items()},
-                   f"{self.kind}/tokens_seen": float(self.tokens_seen), "step": float(self.tokens_seen)}
+                   tokens_metric(self.kind): float(self.tokens_seen), "step": float(self.tokens_seen)}
         self.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         self.log_dict({"tokens": float(self.tokens_seen), "tok/s": speed}, prog_bar=True, logger=False,
                       on_step=True, on_epoch=False, rank_zero_only=True)
@@ -164,18 +157,17 @@ class StageModule(PerplexityValidation):
         non-finite perplexity stops the stage on every rank (the sums were reduced over ranks, so all of them see
         it) before the point or a checkpoint is kept."""
         tokens = int(self.tokens_seen)
-        diverged = next(((name, value) for name, value in ppl.items() if not math.isfinite(value)), None)
-        if diverged is not None:
-            raise Divergence.in_stage(self.kind, f"perplexity on eval set {diverged[0]!r}", diverged[1],
-                                      self.trainer.global_step, tokens)
+        for name, value in ppl.items():
+            check_finite(value, lambda value, name=name: Divergence.in_stage(
+                self.kind, f"perplexity on eval set {name!r}", value, self.trainer.global_step, tokens))
         self.last_eval_tokens = tokens
         if not self.trainer.is_global_zero:
             return
         for name, value in ppl.items():
             self.curve[name].append({"tokens": tokens, "ppl": value})
-        metrics = {f"{self.kind}/ppl/{name}": value for name, value in ppl.items()}
+        metrics = {curve_metric(self.kind, name): value for name, value in ppl.items()}
         for logger in self.trainer.loggers:
-            logger.log_metrics({**metrics, f"{self.kind}/tokens_seen": float(tokens)}, step=tokens)
+            logger.log_metrics({**metrics, tokens_metric(self.kind): float(tokens)}, step=tokens)
         log.info("%s at %d tokens: %s", self.kind, tokens, ", ".join(f"ppl {n} {v:.2f}" for n, v in ppl.items()))
         self.on_curve(self.curve)
 

@@ -1,0 +1,132 @@
+"""`make bench ARGS="[group ...] [-o hydra.override ...]"`: speed and memory figures, one JSON line each.
+
+    make bench ARGS="longctx --contexts 1024,4096"   # or: .venv/bin/python benchmarks/bench.py longctx ...
+
+Groups: `gdn` (GDN CPU path against fla's naive recurrent reference), `kl_memory` (the fused KL's extra peak
+memory on a 151,936-token head, in chunks of logits), `student` (student against teacher
+at 50% retention: forward, forward+backward, cache bytes, decode time), `stats` (peak memory of the
+streaming statistics at T=4096 against a plain forward), `phase2` (Phase 2 step against one GDN
+forward+backward), `init` (wall time and peak memory of the `phase2`, `full` and `full_plus` inits, uncached,
+and their ratios to `full`), `stage1` / `stage2` (a training step against its parts measured apart, and the
+process's peak RSS), `stage2_plain` (the same step with full-batch logits and an unchunked KL, for the memory
+comparison), `plan` (`tcal-plan`'s Stage 2 peak against the peak RSS of the same short Stage 2, each measured in a
+fresh process; `-o stage.checkpoint_mixers=false` etc. choose the checkpointing), and, only when named, `longctx`
+(the naive uniform students at `--ratios` against the teacher at `--contexts` tokens: prefill, decode per token at
+`--batches`, cache bytes and peak RSS; minutes to hours on a CPU).
+Ratios, not timed tests. Peak RSS is per process: run `stage2` and `stage2_plain` each in its own
+invocation (`longctx` starts a process per model and context itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from init_cost import bench_init_modes, bench_phase2_step, bench_stats
+from longctx import (LONG_CONTEXT_BATCHES, LONG_CONTEXT_DECODE_TOKENS, LONG_CONTEXT_RATIOS, LONG_CONTEXTS,
+                     bench_longctx, bench_student)
+from measurement import best_time, emit
+from tcal.gdn import chunk_gated_delta_rule_torch
+from training_steps import bench_kl_memory, bench_plan, bench_stage1, bench_stage2
+
+
+def rule_inputs(T: int, heads: int = 9, dim: int = 64, batch: int = 1, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (F.normalize(torch.randn(batch, T, heads, dim, generator=gen), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(batch, T, heads, dim, generator=gen).requires_grad_()
+    g = (-torch.rand(batch, T, heads, generator=gen) * 0.1).requires_grad_()
+    beta = torch.rand(batch, T, heads, generator=gen).requires_grad_()
+    return q, k, v, g, beta
+
+
+def fwd_bwd(rule, inputs):
+    def step():
+        o, _ = rule(*inputs)
+        o.sum().backward()
+    return step
+
+
+def bench_gdn(lengths=(512, 2048)) -> list[dict]:
+    """fwd+bwd of the CPU delta-rule path against fla's naive recurrent (and naive chunk) references."""
+    from fla.ops.gated_delta_rule.naive import (
+        naive_chunk_gated_delta_rule,
+        naive_recurrent_gated_delta_rule,
+    )
+
+    lines = []
+    for T in lengths:
+        q, k, v, g, beta = rule_inputs(T)
+        ours = best_time(fwd_bwd(chunk_gated_delta_rule_torch, (q, k, v, g, beta)))
+        recurrent = best_time(fwd_bwd(naive_recurrent_gated_delta_rule, (q, k, v, beta, g)), repeats=1, warmup=False)
+        fla_chunk = best_time(fwd_bwd(naive_chunk_gated_delta_rule, (q, k, v, g, beta)))
+        lines.append(emit(f"gdn_fwd_bwd_T{T}", shape=f"B=1,H=9,d=64,T={T}", torch_chunk_s=ours,
+                          fla_naive_recurrent_s=recurrent, fla_naive_chunk_s=fla_chunk,
+                          speedup_vs_recurrent=recurrent / ours, speedup_vs_fla_naive_chunk=fla_chunk / ours,
+                          target="speedup_vs_recurrent >= 5 at T=2048"))
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = ["gdn", "kl_memory", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain", "plan"]
+    parser.add_argument("groups", nargs="*", default=groups, choices=[*groups, "longctx"])
+    parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
+
+    def numbers(kind):
+        return lambda text: tuple(kind(part) for part in text.split(","))
+
+    long = parser.add_argument_group("longctx")
+    long.add_argument("--contexts", type=numbers(int), default=LONG_CONTEXTS, help="comma list of context lengths")
+    long.add_argument("--batches", type=numbers(int), default=LONG_CONTEXT_BATCHES, help="comma list of decode batches")
+    long.add_argument("--ratios", type=numbers(float), default=LONG_CONTEXT_RATIOS,
+                      help="comma list of retention ratios")
+    long.add_argument("--decode-tokens", type=int, default=LONG_CONTEXT_DECODE_TOKENS,
+                      help="decoding steps timed per model and batch (the figure is their median)")
+    long.add_argument("--no-peak-rss", dest="peak_rss", action="store_false",
+                      help="skip the peak-RSS processes (each repeats its model's prefill)")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_flush_denormal(True)
+    print(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__}), flush=True)
+    if "gdn" in args.groups:
+        bench_gdn()
+    if "kl_memory" in args.groups:
+        bench_kl_memory()
+    if "plan" in args.groups:
+        bench_plan(args.override)
+    if set(args.groups) - {"gdn", "kl_memory", "plan"}:
+        from tcal.plan import compose_config
+        from tcal.retention.uniform import uniform_layers
+        from tcal.teachers.load import load_teacher
+
+        run_overrides = [o for o in args.override if not o.startswith("stage.")]
+
+        def compose_cfg(*extra):
+            return compose_config(["calibration.cache=false", *extra, *run_overrides])
+
+        cfg = compose_cfg()
+        teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
+        if "student" in args.groups:
+            bench_student(teacher, uniform_layers(teacher.config.num_hidden_layers, 0.5))
+        if "longctx" in args.groups:
+            bench_longctx(teacher, cfg.teacher, cfg.paths.cache_dir, args.ratios, args.contexts, args.batches,
+                          args.decode_tokens, args.peak_rss)
+        if "stats" in args.groups:
+            bench_stats(teacher)
+        if "phase2" in args.groups:
+            bench_phase2_step(teacher, cfg.calibration)
+        if "init" in args.groups:
+            bench_init_modes(compose_cfg)
+        keep = uniform_layers(teacher.config.num_hidden_layers, 0.5)
+        for group, bench in (("stage2", bench_stage2), ("stage2_plain", partial(bench_stage2, plain=True)),
+                             ("stage1", bench_stage1)):
+            if group in args.groups:
+                bench(teacher, keep, overrides=args.override)
+
+
+if __name__ == "__main__":
+    main()
