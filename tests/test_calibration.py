@@ -81,6 +81,7 @@ def tokens():
 def ctx(tmp_path_factory):
     """A RunContext like `pipeline.prepare` builds: tiny llama with the SmolLM2 vocabulary, Shakespeare splits."""
     from tcal.data import load_splits
+    from tcal.config import run_settings
     from tcal.pipeline import RunContext
     from tcal.teachers.load import load_tokenizer
 
@@ -89,8 +90,8 @@ def ctx(tmp_path_factory):
     cfg = compose("teacher=tiny_llama", f"paths.cache_dir={cache}", "calibration.seq_len=32",
                   "calibration.batch_size=2", "calibration.phase2.steps=5", "calibration.block_size=16")
     tokenizer = load_tokenizer(cfg.teacher, cfg.paths.cache_dir)
-    return RunContext(cfg, make_teacher("llama", seed=1, vocab_size=49152), tokenizer, load_splits(cfg.data),
-                      Path(cache), root / "run")
+    return RunContext(run_settings(cfg), make_teacher("llama", seed=1, vocab_size=49152), tokenizer,
+                      load_splits(cfg.data), Path(cache), root / "run")
 
 
 # ------------------------------------------------------------------ 1. statistics of uniform attention
@@ -428,7 +429,7 @@ def test_full_equals_phase2_after_phase1(ctx):
 
     stepwise = build_student(ctx.teacher, [0])
     gdns = {i: stepwise.gdn(i) for i in (1, 2, 3)}
-    cfg = ctx.cfg.calibration
+    cfg = ctx.settings.calibration
     batch = calibration_batch(ctx, cfg)
     assert result["calibration_tokens"] == batch.numel() == 64
     p1 = calibrate_layers(ctx.teacher, gdns, batch, cfg, ("phase1",), ArtifactStore(None))
@@ -531,7 +532,7 @@ def test_check_tokens_measure_every_layer_on_unseen_windows(teacher, tokens):
 
 
 def test_run_records_check_on_windows_between_calibration_windows(ctx):
-    cfg = ctx.cfg.calibration
+    cfg = ctx.settings.calibration
     batch, check = calibration_batch(ctx, cfg), check_batch(ctx, cfg)
     assert check.shape == (1, 32)  # batch_size - 1 windows
     assert not any(torch.equal(check[0], row) for row in batch)

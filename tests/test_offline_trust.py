@@ -68,7 +68,7 @@ class Spy:
         return self.real.from_pretrained(*args, **kwargs)
 
 
-@pytest.mark.parametrize("setting,expected", [([], False), (["+teacher.trust_remote_code=true"], True)])
+@pytest.mark.parametrize("setting,expected", [([], False), (["teacher.trust_remote_code=true"], True)])
 def test_trust_remote_code_is_off_unless_the_teacher_config_turns_it_on(setting, expected, teacher_folder,
                                                                           monkeypatch):
     calls: list = []

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from tcal.app import group_options
+from tcal.config import run_settings
 from tcal.convert import build_student, naive_gdn
 from tcal.data import load_splits
 from tcal.init import apply_init
@@ -97,7 +98,7 @@ def test_paper_architecture_converts_calibrates_and_distills(teacher_name, token
     calibrated = {}
     for mode in group_options("init"):
         mode_cfg = compose(*overrides(teacher_name, f"paths.cache_dir={cache}", *init_overrides(mode)))
-        ctx = RunContext(mode_cfg, teacher, tokenizer, splits, Path(cache), tmp_path / mode)
+        ctx = RunContext(run_settings(mode_cfg), teacher, tokenizer, splits, Path(cache), tmp_path / mode)
         gdns = {i: naive_gdn(teacher, i) for i in gdn_layers}
         record = apply_init(gdns, mode_cfg.init, ctx)
         assert all(torch.isfinite(p).all() for g in gdns.values() for p in g.parameters()), mode

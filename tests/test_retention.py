@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 import tcal.calibration.calibrate as calibrate_mod
 import tcal.retention.ar as ar_mod
 import tcal.retention.ga_s2 as ga_s2_mod
+from tcal.config import run_settings
 from tcal.convert import build_student, naive_gdn
 from tcal.data import load_splits, token_stream
 from tcal.init import init_student
@@ -87,8 +88,8 @@ def make_ctx(tokenizer, splits, tmp_path):
 
     def make(teacher, *overrides, cache_dir=None):
         cfg = compose(*fast(*overrides))
-        return RunContext(cfg, teacher, RecordingTokenizer(tokenizer), SelectionSplits(splits.calibration),
-                          Path(cache_dir or tmp_path / "cache"), tmp_path / "run")
+        return RunContext(run_settings(cfg), teacher, RecordingTokenizer(tokenizer),
+                          SelectionSplits(splits.calibration), Path(cache_dir or tmp_path / "cache"), tmp_path / "run")
 
     return make
 
@@ -154,7 +155,7 @@ def test_uniform_examples_and_tiny_ratios():
 def test_ar_keeps_the_layer_whose_attention_is_essential(essential, make_ctx, splits, tokenizer):
     model = teacher_needing_layer(essential, splits, tokenizer)
     ctx = make_ctx(model, "retention=ar", "retention.ratio=0.25")  # K = 1
-    selection = select_layers(ctx.cfg.retention, ctx)
+    selection = select_layers(ctx.settings.retention, ctx)
     assert selection.keep_layers == [essential]
     assert sorted(selection.scores) == list(range(L))
     others = [s for i, s in selection.scores.items() if i != essential]
@@ -192,7 +193,7 @@ def test_ga_s2_calibrates_each_layer_once(make_ctx, teacher, monkeypatch):
     monkeypatch.setattr(ga_s2_mod, "perplexity", perplexity)
 
     ctx = make_ctx(teacher, "retention=ga_s2", "init=full", "calibration.cache=true")
-    selection = select_layers(ctx.cfg.retention, ctx)
+    selection = select_layers(ctx.settings.retention, ctx)
     assert calls == {"calibrate_layers": 1, "phase1": list(range(L)), "phase2": list(range(L)), "ppl": L}
     assert len(selection.keep_layers) == len(set(selection.keep_layers)) == num_kept(0.5, L) == 2
     assert set(selection.keep_layers) <= set(range(L)) and sorted(selection.scores) == list(range(L))
@@ -200,8 +201,8 @@ def test_ga_s2_calibrates_each_layer_once(make_ctx, teacher, monkeypatch):
     assert selection.keep_layers == sorted(lowest)
 
     # The run's student then finds every converted layer calibrated already: no second calibration.
-    student = build_student(teacher, selection.keep_layers, "whole_head", int(ctx.cfg.seed))
-    record = init_student(student, ctx.cfg.init, ctx)
+    student = build_student(teacher, selection.keep_layers, "whole_head", int(ctx.settings.seed))
+    record = init_student(student, ctx.settings.init, ctx)
     assert calls["phase1"] == list(range(L)) and calls["phase2"] == list(range(L))
     assert all(layer["cached"] for layer in record["layers"].values())
 
@@ -234,7 +235,7 @@ def test_ga_s2_probes_equal_students_built_from_the_parts(teacher):
 @pytest.mark.parametrize("policy, init", [("ar", "naive"), ("ga_s2", "naive"), ("ga_s2", "full")])
 def test_second_selection_reads_the_cache(policy, init, make_ctx, teacher, monkeypatch, tmp_path):
     ctx = make_ctx(teacher, f"retention={policy}", f"init={init}", "calibration.cache=false")
-    first = select_layers(ctx.cfg.retention, ctx)
+    first = select_layers(ctx.settings.retention, ctx)
     files = sorted((tmp_path / "cache" / "retention").iterdir())
     assert [f.name.split("-")[0] for f in files] == [policy] and files[0].suffix == ".json"  # no temp files
     record = json.loads(files[0].read_text())
@@ -243,36 +244,36 @@ def test_second_selection_reads_the_cache(policy, init, make_ctx, teacher, monke
     assert ("init" in record["parts"]) == (policy == "ga_s2")
 
     forbid(monkeypatch, teacher)
-    again = select_layers(ctx.cfg.retention, make_ctx(teacher, f"retention={policy}", f"init={init}",
+    again = select_layers(ctx.settings.retention, make_ctx(teacher, f"retention={policy}", f"init={init}",
                                                       "calibration.cache=false"))
     assert again == first
     # One scoring serves every ratio.
     wider = make_ctx(teacher, f"retention={policy}", f"init={init}", "retention.ratio=0.75")
-    assert select_layers(wider.cfg.retention, wider).scores == first.scores
+    assert select_layers(wider.settings.retention, wider).scores == first.scores
     # The unseen-window report changes no calibrated weight, so it is not part of the key either.
     unchecked = make_ctx(teacher, f"retention={policy}", f"init={init}", "calibration.check=false")
-    assert select_layers(unchecked.cfg.retention, unchecked).scores == first.scores
+    assert select_layers(unchecked.settings.retention, unchecked).scores == first.scores
     # A scoring setting is part of the key: scoring again (which is forbidden here).
     other = make_ctx(teacher, f"retention={policy}", f"init={init}", "retention.num_windows=3")
     with pytest.raises(Forbidden):
-        select_layers(other.cfg.retention, other)
+        select_layers(other.settings.retention, other)
 
 
 def test_the_init_is_part_of_the_key_for_ga_s2_only(make_ctx, teacher, monkeypatch):
     for policy in ("ar", "ga_s2"):
         ctx = make_ctx(teacher, f"retention={policy}", "init=naive")
-        select_layers(ctx.cfg.retention, ctx)
+        select_layers(ctx.settings.retention, ctx)
     forbid(monkeypatch, teacher)
     ar = make_ctx(teacher, "retention=ar", "init=zero_gate")
-    select_layers(ar.cfg.retention, ar)  # AR does not depend on the init: a hit
+    select_layers(ar.settings.retention, ar)  # AR does not depend on the init: a hit
     ga = make_ctx(teacher, "retention=ga_s2", "init=zero_gate")
     with pytest.raises(Forbidden):
-        select_layers(ga.cfg.retention, ga)
+        select_layers(ga.settings.retention, ga)
 
 
 def test_cache_false_scores_again_and_writes_nothing(make_ctx, teacher, tmp_path):
     ctx = make_ctx(teacher, "retention=ar", "retention.cache=false")
-    select_layers(ctx.cfg.retention, ctx)
+    select_layers(ctx.settings.retention, ctx)
     assert not (tmp_path / "cache" / "retention").exists()
 
 
@@ -283,7 +284,7 @@ def test_cache_false_scores_again_and_writes_nothing(make_ctx, teacher, tmp_path
 @pytest.mark.parametrize("policy, init", [("ar", "naive"), ("ga_s2", "full")])
 def test_selection_reads_only_the_calibration_split(policy, init, make_ctx, teacher, splits):
     ctx = make_ctx(teacher, f"retention={policy}", f"init={init}", "calibration.cache=false")
-    select_layers(ctx.cfg.retention, ctx)  # ctx.splits.evaluation raises if read
+    select_layers(ctx.settings.retention, ctx)  # ctx.splits.evaluation raises if read
     calibration = {doc.text for doc in splits.calibration}
     assert ctx.tokenizer.texts and set(ctx.tokenizer.texts) <= calibration
     assert not set(ctx.tokenizer.texts) & {doc.text for doc in splits.evaluation}
@@ -320,11 +321,11 @@ def test_ratio_one_keeps_every_layer_and_the_student_is_the_teacher(policy, make
     ctx = make_ctx(teacher, f"retention={policy}", "retention.ratio=1.0", "init=full")
     monkeypatch.setattr(ar_mod, "perplexity", None)  # nothing to score: K = L
     monkeypatch.setattr(ga_s2_mod, "perplexity", None)
-    selection = select_layers(ctx.cfg.retention, ctx)
+    selection = select_layers(ctx.settings.retention, ctx)
     assert selection.keep_layers == list(range(L))
     student = build_student(teacher, selection.keep_layers)
     assert student.config.gdn_layers == []
-    init_student(student, ctx.cfg.init, ctx)
+    init_student(student, ctx.settings.init, ctx)
     tokens = torch.randint(0, VOCAB, (2, 32))
     with torch.no_grad():
         diff = (student(input_ids=tokens, use_cache=False).logits - teacher(input_ids=tokens, use_cache=False).logits)

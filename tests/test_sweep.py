@@ -43,14 +43,14 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
     assert summary == [
         f"tcal: sweep job 0 failed ({sweep_dir / '0'}): Divergence: distill: perplexity on eval set 'shakespeare' is "
         f"nan at step 1 (tokens_seen 64); stopping with the last checkpoint kept",
-        f"tcal: sweep job 1 failed ({sweep_dir / '1'}): configuration error: stage.lr_mixer=-1; expected a learning "
+        f"tcal: sweep job 1 failed ({sweep_dir / '1'}): configuration error: stage.lr_mixer=-1.0; expected a learning "
         f"rate > 0"]
     diverged, bad_setting, fine = (record(sweep_dir / str(i)) for i in range(3))
     assert (diverged["status"], diverged["failed_after"]) == ("failed", "initialized")
     assert diverged["curve"]["shakespeare"][0]["tokens"] == 0  # what it did before diverging
     assert bad_setting == {"schema_version": 1, "status": "failed", "failed_after": None,
                            "config": bad_setting["config"],
-                           "error": "configuration error: stage.lr_mixer=-1; expected a learning rate > 0"}
+                           "error": "configuration error: stage.lr_mixer=-1.0; expected a learning rate > 0"}
     assert bad_setting["config"]["stage"]["lr_mixer"] == -1
     assert fine["status"] == "complete" and fine["config"]["stage"]["lr_mixer"] == 1e-3
     markdown = build_report(sweep_dir, tmp_path / "report")

@@ -339,7 +339,7 @@ def _fails(tmp_path, match, *overrides, exc=ValueError):
                                                           r"stage.max_tokens=100000"),
     (("stage=distill", "stage.max_tokens=100", "stage.eval_every_tokens=100"),
      r"stage.max_tokens=100 is less than one step of 2048 tokens"),
-    (("stage=align", "stage.lr=0"), r"stage.lr=0; expected a learning rate > 0"),
+    (("stage=align", "stage.lr=0"), r"stage.lr=0.0; expected a learning rate > 0"),
     (("stage=align_distill", "stage.distill.batch_size=0"), r"stage.distill.batch_size=0; expected a positive"),
 ])
 def test_bad_stage_settings(tmp_path, overrides, match):

@@ -57,22 +57,61 @@ def job_override_lists(args: list[str]) -> list[list[str]]:
     return [fixed + list(combination) for combination in itertools.product(*swept)]
 
 
+def job_place(job: list[str], args: list[str]) -> str:
+    """` in the job with stage=distill` when `job` is one of several a sweep of config groups makes."""
+    groups = [a for a in job if a not in args and group_options(a.split("=", 1)[0]) is not None]
+    return f" in the job with {' '.join(groups)}" if groups else ""
+
+
 def one_line(err: Exception, job: list[str], args: list[str]) -> str:
-    """Hydra's composition error as one line naming the argument."""
+    """Hydra's composition error as one line naming the argument (a value of the wrong type: the schema's message)."""
+    from omegaconf.errors import ValidationError
+
     message = " ".join(str(err).split())
     by_key = {a.lstrip("+~").split("=", 1)[0]: a for a in job}
-    groups = [a for a in job if a not in args and group_options(a.split("=", 1)[0]) is not None]
-    where = f" in the job with {' '.join(groups)}" if groups else ""
+    where = job_place(job, args)
     if found := re.match(r"Could not override '([^']+)'", message):
         key = found.group(1)
         return unknown_key_message(by_key.get(key, key), key, where=where)
     if found := re.match(r"Could not append to config. An item is already at '([^']+)'", message):
         key = found.group(1)
         return f"{by_key.get(key, key)}: {key} is already a setting; expected {by_key.get(key, key).lstrip('+')}"
+    cause = err.__cause__
+    if isinstance(cause, ValidationError) and cause.full_key:
+        arg = by_key.get(cause.full_key.split("[")[0], cause.full_key)  # `retention.keep[1]`: the list's argument
+        return (f"{arg}: {str(cause).splitlines()[0].strip()} (key {cause.full_key}); expected a value of the type "
+                f"its schema declares")
     if found := re.match(r"Could not delete from config. '([^']+)' does not exist", message):
         key = found.group(1)
         return f"{by_key.get(key, key)}: no such setting to delete{where}; expected a setting of the config (conf/)"
     return f"{' '.join(job)}: {message}; expected overrides that compose"
+
+
+def check_overridden_keys(cfg, job: list[str], args: list[str]) -> None:
+    """`key=value` names a setting of the job's config (schemas let Hydra set any key; `+key=value` is checked
+    once the job runs, with every other key of its config)."""
+    from tcal.settings import is_known, known_keys
+
+    known = known_keys(cfg)
+    for arg in job:
+        override = parse(arg)
+        key = override.key_or_group
+        plain_setting = not override.is_add() and not override.is_delete() and not override.is_force_add()
+        if plain_setting and group_options(key) is None and not is_known(key, known):
+            raise ConfigError(unknown_key_message(arg, key, known, where=job_place(job, args)))
+
+
+def check_true_or_false(cfg, job: list[str]) -> None:
+    """A true/false setting is given as true or false: the schema would also take yes, on or 1 as true."""
+    from omegaconf import OmegaConf
+
+    for arg in job:
+        override = parse(arg)
+        if override.is_delete() or group_options(override.key_or_group) is not None:
+            continue
+        value = OmegaConf.select(cfg, override.key_or_group, default=None)
+        if isinstance(value, bool) and not isinstance(override.value(), bool):
+            raise ConfigError(f"{arg}; expected true or false")
 
 
 def check_resume_overrides(run_dir: str, overrides: list[str]) -> None:
@@ -126,8 +165,10 @@ def check_arguments(args: list[str]) -> None:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             for job in jobs:
                 try:
-                    compose("config", overrides=job)
+                    cfg = compose("config", overrides=job)
                 except (HydraException, OmegaConfBaseException) as err:
                     raise ConfigError(one_line(err, job, overrides)) from None
+                check_overridden_keys(cfg, job, overrides)
+                check_true_or_false(cfg, job)
     finally:
         GlobalHydra.instance().clear()

@@ -124,15 +124,15 @@ def dataset_documents(cfg) -> list[Document]:
     check_dataset_reachable(cfg)
     import datasets
 
-    kwargs = {"data_files": dict(cfg.data_files)} if cfg.get("data_files") else {}
-    streaming = bool(cfg.get("streaming", False))
+    kwargs = {"data_files": dict(cfg.data_files)} if cfg.data_files else {}
+    streaming = bool(cfg.streaming)
     try:
-        rows = datasets.load_dataset(cfg.dataset, cfg.get("subset"), split=cfg.get("split", "train"),
+        rows = datasets.load_dataset(cfg.dataset, cfg.subset, split=cfg.split,
                                      streaming=streaming, **kwargs)
     except (ConnectionError, OSError) as err:
         raise HubUnavailable(offline_message(cfg, str(err))) from err
-    field = cfg.get("text_field", "text")
-    limit = int(cfg.max_documents) if cfg.get("max_documents") else None
+    field = cfg.text_field
+    limit = int(cfg.max_documents) if cfg.max_documents else None
     if streaming:
         rows = itertools.islice(rows, limit)
     elif limit is not None:
@@ -162,7 +162,7 @@ def load_splits(cfg) -> Splits:
 def eval_sets(cfg, splits: Splits) -> dict[str, list[Document]]:
     """The held-out split under the data's name, plus one set per `eval_files` entry (named by file stem)."""
     sets = {cfg.name: splits.evaluation}
-    for path in cfg.get("eval_files") or []:
+    for path in cfg.eval_files or []:
         stem = Path(path).stem
         if stem in sets:
             raise ValueError(f"data.eval_files: eval set name {stem!r} is used twice")

@@ -23,14 +23,14 @@ T = TypeVar("T")
 
 def world_size(trainer_cfg) -> int:
     """Processes a `trainer` node asks for: devices per node x nodes (`devices: -1` = every visible GPU)."""
-    devices = trainer_cfg.get("devices", 1)
+    devices = trainer_cfg.devices
     if isinstance(devices, int) and devices > 0:
         per_node = devices
     elif isinstance(devices, (list, tuple)) or hasattr(devices, "__len__") and not isinstance(devices, str):
         per_node = len(devices)
     else:
         per_node = max(torch.cuda.device_count(), 1) if trainer_cfg.accelerator in ("gpu", "cuda") else 1
-    return per_node * int(trainer_cfg.get("num_nodes", 1))
+    return per_node * int(trainer_cfg.num_nodes)
 
 
 def single_device(accelerator: str) -> torch.device:
@@ -115,7 +115,7 @@ def launch(trainer_cfg) -> Ranks:
         return Ranks(device=single_device(accelerator))
     from lightning.fabric import Fabric
 
-    fabric = Fabric(accelerator=accelerator, devices=trainer_cfg.devices, num_nodes=int(trainer_cfg.get("num_nodes", 1)),
+    fabric = Fabric(accelerator=accelerator, devices=trainer_cfg.devices, num_nodes=int(trainer_cfg.num_nodes),
                     strategy="ddp")
     fabric.launch()
     ranks = Ranks(fabric.global_rank, fabric.world_size, fabric.device)

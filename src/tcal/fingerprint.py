@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -10,7 +11,9 @@ from omegaconf import OmegaConf
 
 
 def plain(node) -> dict:
-    """A config node (or mapping) as a plain dict, interpolations resolved."""
+    """Settings (a dataclass of `tcal.config`, a config node or a mapping) as a plain dict, interpolations resolved."""
+    if dataclasses.is_dataclass(node):
+        return dataclasses.asdict(node)
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
 
 

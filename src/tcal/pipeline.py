@@ -1,7 +1,8 @@
 """One run: teacher -> keep list -> student -> init -> training stages -> eval -> export (docs/method.md, section
 "One run").
 
-`run(cfg, run_dir)` is what the `tcal` entry calls; tests call it with composed configs. Bad settings fail
+`run(cfg, run_dir)` is what the `tcal` entry calls; tests call it with composed configs. It converts the config
+into typed settings (`tcal.config.RunSettings`) and runs the steps of the Python API (`tcal.api`). Bad settings fail
 before anything is written; results.json is rewritten atomically after each step ("status" says how far
 the run got) and at every curve point, so a crash leaves a readable record. With `stage=none` the evaluation
 is zero-shot. A multi-device run starts its ranks first (`tcal.distributed`); every rank then holds the teacher
@@ -15,51 +16,25 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from tcal.convert import build_student
-from tcal.data import Splits, load_splits
+from tcal import api
+from tcal.config import run_settings
+from tcal.context import RunContext
 from tcal.distributed import Ranks
-from tcal.evaluate.suite import evaluate, format_table
+from tcal.evaluate.suite import format_table
 from tcal.fingerprint import weights_digest
 from tcal.gdn import kernel_path
-from tcal.init import init_student
 from tcal.record import RESULTS, new_record, read_record, records_failure, write_record
 from tcal.rerun import check_checkpoints
-from tcal.results import write_folder_atomic
-from tcal.retention import select_layers
-from tcal.teachers.load import load_teacher
 from tcal.tracking import finish, log_figures, make_logger
 from tcal.training.run import plan_stages, run_stage
 from tcal.validate import validate_config, validate_loaded
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunContext:
-    """What the pluggable steps (retention policies, init modes) may read."""
-
-    cfg: object
-    teacher: torch.nn.Module
-    tokenizer: object
-    splits: Splits
-    cache_dir: Path
-    run_dir: Path
-    extra_callbacks: list = field(default_factory=list)  # Lightning callbacks added to every stage's Trainer
-    ranks: Ranks = field(default_factory=Ranks)
-
-    @property
-    def num_layers(self) -> int:
-        return self.teacher.config.num_hidden_layers
-
-    @property
-    def device(self) -> torch.device:
-        return self.ranks.device
 
 
 @contextmanager
@@ -70,33 +45,26 @@ def timed(timings: dict, step: str):
 
 
 def prepare(cfg, run_dir: Path, timings: dict, ranks: Ranks | None = None) -> RunContext:
-    torch.manual_seed(int(cfg.seed))
+    """The composed config's settings, its teacher (on this rank's device) and its splits."""
+    settings = run_settings(cfg)
+    torch.manual_seed(int(settings.seed))
     torch.set_flush_denormal(True)  # strongly decaying GDN states underflow; denormals slow CPU math ~10x
-    if cfg.eval.harness.name == "paper":
+    if settings.eval.harness.name == "paper":
         from tcal.evaluate.local_tasks import check_paper_tasks_available
 
         check_paper_tasks_available()  # fail before any work when the dataset hub is unreachable
     ranks = ranks or Ranks()
     with timed(timings, "load_teacher"):
-        teacher, tokenizer = load_teacher(cfg.teacher, cfg.paths.cache_dir)
-        teacher.to(ranks.device)
+        teacher = api.load_teacher(settings.teacher, cfg.paths.cache_dir, ranks.device)
     with timed(timings, "load_data"):
-        splits = load_splits(cfg.data)
-    return RunContext(cfg, teacher, tokenizer, splits, Path(cfg.paths.cache_dir), Path(run_dir), ranks=ranks)
+        splits = api.load_data(settings.data)
+    return RunContext(settings, teacher.model, teacher.tokenizer, splits, Path(cfg.paths.cache_dir), Path(run_dir),
+                      ranks=ranks)
 
 
 def is_mixed(precision) -> bool:
     """Mixed precision: float32 weights (and optimizer states), reduced-precision compute."""
     return str(precision).endswith("-mixed")
-
-
-def save_student(student, tokenizer, folder: Path) -> None:
-    """save_pretrained into a temporary folder, then rename: a checkpoint is whole or absent."""
-    def write(tmp: Path) -> None:
-        student.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-
-    write_folder_atomic(folder, write)
 
 
 @records_failure
@@ -115,10 +83,13 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
     with timed(timings, "load_training_data"):
         plans = plan_stages(ctx)
     writer = ctx.ranks.is_main
+    settings = ctx.settings
+    teacher = api.Teacher(ctx.teacher, ctx.tokenizer, settings.teacher)
     with timed(timings, "retention"):
-        selection = select_layers(cfg.retention, ctx)
+        selection = api.select_layers(teacher, ctx.splits, settings.retention, settings.init, settings.calibration,
+                                      settings.seed, ctx.cache_dir, ctx.ranks)
     with timed(timings, "convert"):
-        student = build_student(ctx.teacher, selection.keep_layers, cfg.init.gqa_expansion, int(cfg.seed))
+        student = api.build_student(ctx.teacher, selection.keep_layers, settings.init.gqa_expansion, settings.seed)
         student.to(ctx.device)
     device = ctx.device
     results = new_record(
@@ -137,7 +108,8 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
     log.info("keep layers (%s): %s; GDN kernel path: %s", cfg.retention.name, selection.keep_layers, kernel_path(device))
 
     with timed(timings, "init"):
-        results["calibration"] = init_student(student, cfg.init, ctx)
+        results["calibration"] = api.initialize(student, teacher, ctx.splits, settings.init, settings.calibration,
+                                                settings.seed, ctx.cache_dir, ctx.ranks)
     results["init_weights_digest"] = weights_digest(student)
     results["status"] = "initialized"
     save_results()
@@ -164,7 +136,8 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
 
     student.eval()
     with timed(timings, "evaluate"):
-        results.update(evaluate(ctx, student))
+        results.update(api.evaluate(student, teacher, ctx.splits, settings.eval, settings.data, settings.trainer,
+                                    ctx.cache_dir, ctx.ranks))
     if not writer:
         return results
     print(format_table(results), flush=True)
@@ -172,7 +145,7 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
     finish(logger)
     if cfg.save_student:
         with timed(timings, "save"):
-            save_student(student, ctx.tokenizer, run_dir / "student")
+            api.save(student, ctx.tokenizer, run_dir / "student")
         results["student_path"] = str(run_dir / "student")
     results["status"] = "complete"
     save_results()

@@ -614,6 +614,7 @@ def compose_config(overrides: list[str]):
     from omegaconf.errors import OmegaConfBaseException
 
     from tcal.app import CONF_DIR, check_group_overrides
+    from tcal.arguments import check_overridden_keys
 
     check_group_overrides(overrides)
     GlobalHydra.instance().clear()
@@ -621,6 +622,7 @@ def compose_config(overrides: list[str]):
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             cfg = compose("config", overrides=overrides)
         OmegaConf.resolve(cfg)
+        check_overridden_keys(cfg, overrides, overrides)
         return cfg
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(" ".join(str(err).split())) from err

@@ -1,27 +1,29 @@
-"""The settings a config may hold, read from the files of conf/ (omegaconf only: cheap to import before Hydra).
+"""The settings a config may hold, read from the files of conf/ and their schemas (registered with Hydra's
+ConfigStore on import, so that every later compose finds them).
 
 A key is a setting when a config file sets it: the chosen option of its group, an option that option includes,
-the root config, an experiment or a sweep; plus the few keys the code reads with a default (`OPTIONAL_KEYS`)
-and the mappings passed on as they are (`FREE_FORM`). Anything else is a misspelling or a key added with `+`
-that no code reads, and the run refuses it before any work.
+the schema it opens with (`tcal.config`), the root config, an experiment or a sweep; plus the mappings passed on
+as they are (`FREE_FORM`). Anything else is a misspelling or a key added with `+` that no code reads, and the
+run refuses it before any work.
 """
 
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import functools
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from tcal.config import register_schemas, schema_defaults
+
+register_schemas()  # before any compose: conf/'s options open with these schemas
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GLOBAL_GROUPS = ("experiment", "sweep")  # `# @package _global_` files: their keys are settings anywhere
 NOT_SETTINGS = ("hydra", "defaults")
-# Settings the code reads with a default that no config file sets; `*` is any one option node (`stage.align`).
-OPTIONAL_KEYS = ("stage.cache_tokens", "stage.*.cache_tokens", "teacher.trust_remote_code")
 FREE_FORM = ("teacher.config", "data.data_files")  # mappings passed on as they are (a model config, builder files)
-ANY_KIND = ("trainer.devices",)  # a count, a list of device ids or "auto", whatever conf/ gives
+SCHEMA_PREFIX = "/schema/"
 
 
 def leaf_items(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -42,11 +44,13 @@ def leaf_keys(tree: dict) -> set[str]:
 @functools.lru_cache(maxsize=None)
 def option_values(group: str, option: str) -> tuple[tuple[str, object], ...]:
     """((key, value), ...) that `group=option` sets, relative to the group's node, with those of the options it
-    includes (as written: interpolations unresolved)."""
+    includes and of its schema (as written: interpolations unresolved)."""
     data = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"), resolve=False) or {}
     values = {}
     for entry in data.get("defaults") or []:
-        if isinstance(entry, str) and entry != "_self_" and not entry.startswith("override "):
+        if isinstance(entry, str) and entry.startswith(SCHEMA_PREFIX):
+            values.update(leaf_items(schema_defaults(entry[len(SCHEMA_PREFIX):].split("@")[0])))
+        elif isinstance(entry, str) and entry != "_self_" and not entry.startswith("override "):
             name, _, package = entry.partition("@")
             values.update({f"{package}.{k}" if package else k: v for k, v in option_values(group, name)})
     values.update(leaf_items(data))
@@ -79,29 +83,6 @@ def global_keys() -> frozenset[str]:
     return frozenset(keys)
 
 
-def kind_of(value) -> str | None:
-    return "bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else None
-
-
-def shipped_values(cfg) -> dict[str, object]:
-    """The values conf/ gives the settings of `cfg`: the root config's, those of the chosen option of each group
-    whose node names it, and, in a group whose nodes do not, those every option gives as true/false or numbers."""
-    values = dict(option_values(".", "config"))
-    for group, options in config_groups():
-        node = OmegaConf.select(cfg, group.replace("/", "."), default=None)
-        chosen = node.get("name") if OmegaConf.is_dict(node) else None
-        given: dict[str, list] = {}
-        given_by = [chosen] if chosen in options else options
-        for option in given_by:
-            for key, value in option_values(group, option):
-                given.setdefault(key, []).append(value)
-        for key, found in given.items():
-            dotted = f"{group.replace('/', '.')}.{key}"
-            if len(found) == len(given_by) and len({kind_of(v) for v in found}) == 1 and dotted not in ANY_KIND:
-                values[dotted] = found[0]
-    return values
-
-
 def known_keys(cfg) -> set[str]:
     """Every setting this config may hold: the keys of the chosen option of each group (of every option when the
     node does not say which by its `name`), and those of the root config, experiments and sweeps."""
@@ -118,7 +99,7 @@ def known_keys(cfg) -> set[str]:
 def is_known(key: str, known: set[str]) -> bool:
     parts = key.split(".")
     ancestors = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
-    return bool(ancestors & (known | set(FREE_FORM))) or any(fnmatch.fnmatchcase(key, p) for p in OPTIONAL_KEYS)
+    return bool(ancestors & (known | set(FREE_FORM)))
 
 
 @functools.lru_cache(maxsize=None)

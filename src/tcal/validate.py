@@ -1,6 +1,10 @@
 """Every user-settable value checked before work starts, with an error naming the key, the bad value and what
 is allowed (`ConfigError`; the `tcal` entry prints it on one line and exits with code 2).
 
+A value's type is the schema's business (`tcal.config`: Hydra refuses `stage.lr=fast` while composing); here are
+the checks a type cannot express: ranges, names from a registry, settings that depend on one another, and what
+depends on the machine, the files or the loaded teacher.
+
 `validate_config(cfg)` runs first in `pipeline.run`, before the teacher loads: names, budgets, learning rates,
 lengths against the teacher's context when its config is known without loading it, devices, dtypes, paths.
 `validate_loaded(ctx)` runs once the teacher and the documents are in memory and before anything is written:
@@ -27,7 +31,7 @@ from tcal.hub import hub_model_cached, hub_offline, looks_local
 from tcal.init import INIT_MODES
 from tcal.retention import POLICIES, num_kept
 from tcal.schedule import SCHEDULES
-from tcal.settings import is_known, known_keys, leaf_items, leaf_keys, shipped_values, unknown_key_message
+from tcal.settings import is_known, known_keys, leaf_keys, unknown_key_message
 from tcal.teachers import ADAPTERS
 from tcal.teachers.load import DTYPES
 from tcal.training.run import BUDGET_KEYS, stages_of, world_size
@@ -95,21 +99,6 @@ def window_length(key: str, value) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ known keys
-
-def check_setting_types(cfg) -> None:
-    """A setting that conf/ gives as true/false or as a number gets one (or null): `save_student=maybe` or
-    `stage.lr=fast` fail here, with the key named, rather than somewhere in the run."""
-    values = leaf_items(OmegaConf.to_container(cfg, resolve=True))
-    for key, shipped in shipped_values(cfg).items():
-        value = values.get(key)
-        if value is None or key not in values:
-            continue
-        if isinstance(shipped, bool) and not isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r}; expected true or false")
-        if isinstance(shipped, (int, float)) and not isinstance(shipped, bool) and \
-                (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{key}={value!r}; expected a number (conf/ gives {shipped!r})")
-
 
 def check_known_keys(cfg) -> None:
     """No setting the run would never read: a misspelled key, or one added with `+` or `++`."""
@@ -197,17 +186,15 @@ def check_retention(cfg, num_layers: int | None) -> None:
     one_of("retention.name", ret.name, POLICIES.names())
     if ret.name == "explicit":
         keep = None if OmegaConf.is_missing(ret, "keep") else ret.keep
-        if not isinstance(keep, (list, tuple, ListConfig)):
+        if keep is None:
             raise ConfigError(f"retention.keep={keep!r}; expected a list of layer indices, e.g. retention.keep=[0,2]")
-        bad = [i for i in keep if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+        bad = [i for i in keep if i < 0]
         if bad:
             raise ConfigError(f"retention.keep={list(keep)} holds {bad}, not layer indices; expected whole numbers "
                               f">= 0, e.g. retention.keep=[0,2]")
         with as_config_error():
             validate_keep_layers(list(keep), num_layers if num_layers is not None else 1 << 30)
         return
-    if not isinstance(ret.ratio, (int, float)) or isinstance(ret.ratio, bool):
-        raise ConfigError(f"retention.ratio={ret.ratio!r}; expected a number in (0, 1], e.g. retention.ratio=0.5")
     with as_config_error():
         num_kept(ret.ratio, num_layers or 1)
     if ret.name in SCORED:
@@ -325,8 +312,6 @@ def check_teacher(cfg) -> None:
         raise ConfigError(f"teacher {teacher.name!r} names no weights; expected one of teacher.path (a local model "
                           f"folder or hub id), teacher.gguf_file, teacher.config")
     check_architecture(teacher)
-    if not isinstance(teacher.get("trust_remote_code", False), bool):
-        raise ConfigError(f"teacher.trust_remote_code={teacher.trust_remote_code!r}; expected true or false")
     if teacher.get("path"):
         check_pretrained_path("teacher.path", str(teacher.path), model=True)
     tokenizer = teacher.get("tokenizer")
@@ -437,7 +422,6 @@ def validate_config(cfg) -> None:
         check(cfg)
     check_retention(cfg, None)
     check_teacher_shape(cfg, *configured_shape(cfg))
-    check_setting_types(cfg)  # after the checks that name what each setting expects more precisely
     check_paths(cfg)  # last: it makes the cache folder
 
 
@@ -455,18 +439,17 @@ def validate_plan(cfg) -> None:
 
 
 def validate_loaded(ctx) -> None:
-    """What needs the loaded teacher and documents; still before anything is written."""
-    cfg, config = ctx.cfg, ctx.teacher.config
+    """What needs the loaded teacher and documents (`ctx`: a `RunContext`); still before anything is written."""
+    cfg, config = OmegaConf.structured(ctx.settings), ctx.teacher.config
     check_teacher_shape(cfg, config.num_hidden_layers, getattr(config, "max_position_embeddings", None))
-    check_split_tokens(ctx)
+    check_split_tokens(ctx, cfg)
 
 
-def check_split_tokens(ctx) -> None:
+def check_split_tokens(ctx, cfg) -> None:
     """Each split holds the tokens its windows need: calibration batch (and its held-out check windows),
     scoring windows, evaluation windows per eval set (a short eval file is named)."""
     from tcal.data import eval_sets
 
-    cfg = ctx.cfg
     needs = []  # (what, tokens needed, documents)
     cal = cfg.calibration
     if init_phases(cfg):
@@ -483,7 +466,7 @@ def check_split_tokens(ctx) -> None:
         needs.append((f"retention.num_windows={ret.num_windows} windows of retention.seq_len={ret.seq_len}",
                       ret.num_windows * ret.seq_len, ctx.splits.calibration, "the calibration split"))
     files = {Path(p).stem: str(p) for p in cfg.data.get("eval_files") or []}
-    for name, docs in eval_sets(cfg.data, ctx.splits).items():
+    for name, docs in eval_sets(ctx.settings.data, ctx.splits).items():
         source = f"data.eval_files entry {files[name]!r}" if name in files else "the evaluation split"
         needs.append((f"eval.num_windows={cfg.eval.num_windows} windows of eval.seq_len={cfg.eval.seq_len}",
                       cfg.eval.num_windows * cfg.eval.seq_len, docs, source))

@@ -93,8 +93,8 @@ LAYER = tensor_codec(_layer_entry, _layer_value)
 
 def calibration_store(ctx) -> ArtifactStore:
     """The run's calibration artifact folder (none with `calibration.cache=false`)."""
-    cache = ctx.cfg.calibration.cache
-    return ArtifactStore(ctx.cache_dir / "calibration" / ctx.cfg.teacher.name if cache else None)
+    cache = ctx.settings.calibration.cache
+    return ArtifactStore(ctx.cache_dir / "calibration" / ctx.settings.teacher.name if cache else None)
 
 
 @contextmanager
@@ -192,7 +192,7 @@ def calibrate_one(gdn: GatedDeltaNet, i: int, layer_stats, check_stats, cfg, pha
 
 def calibrate_gdns(gdns: dict[int, GatedDeltaNet], ctx, phases) -> dict:
     """Calibrate GDN layers with the run's `calibration` settings and artifact cache."""
-    cfg = ctx.cfg.calibration
+    cfg = ctx.settings.calibration
     store = calibration_store(ctx)
     batch = calibration_batch(ctx, cfg)
     records = calibrate_layers(ctx.teacher, gdns, batch, cfg, phases, store, check_batch(ctx, cfg), ctx.ranks)

@@ -32,7 +32,7 @@ def cached_teacher(ctx, kind: str, settings, compute, collective: bool = False):
 
 def position_buckets(eval_cfg) -> tuple[int, ...] | None:
     """`eval.position_buckets` as a tuple of bucket starts, or None when off."""
-    buckets = eval_cfg.get("position_buckets")
+    buckets = eval_cfg.position_buckets
     return tuple(int(start) for start in buckets) if buckets else None
 
 
@@ -40,17 +40,17 @@ def perplexities(ctx, student) -> dict:
     """{eval set: {teacher_ppl, student_ppl}} on windows of `eval.seq_len` tokens (every rank takes part); with
     `eval.position_buckets` also `by_position`: [{start, end, tokens, teacher_ppl, student_ppl}, ...] per bucket
     of positions within the window."""
-    cfg = ctx.cfg.eval
+    cfg = ctx.settings.eval
     buckets = position_buckets(cfg)
     windows, settings = {}, {}
-    for name, docs in eval_sets(ctx.cfg.data, ctx.splits).items():
+    for name, docs in eval_sets(ctx.settings.data, ctx.splits).items():
         windows[name] = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
         settings[name] = {"docs": _docs_digest(docs), "seq_len": int(cfg.seq_len), "num_windows": int(cfg.num_windows)}
         if buckets:
             settings[name]["position_buckets"] = list(buckets)
 
     def validate(model, names):
-        return validate_windows(model, {n: windows[n] for n in names}, int(cfg.batch_size), ctx.cfg.trainer,
+        return validate_windows(model, {n: windows[n] for n in names}, int(cfg.batch_size), ctx.settings.trainer,
                                 ctx.ranks, buckets)
 
     def teacher_figures(name) -> dict:
@@ -82,7 +82,7 @@ def harness(ctx, student) -> dict | None:
     """{"teacher": {task: {metric: value}}, "student": {...}} or None when `eval.harness.name` is none."""
     from tcal.evaluate import local_tasks
 
-    cfg = ctx.cfg.eval.harness
+    cfg = ctx.settings.eval.harness
     if cfg.name == "none":
         return None
     docs = ctx.splits.evaluation
@@ -102,7 +102,7 @@ def harness(ctx, student) -> dict | None:
         out = {}
         for tasks, shots in runs:
             out.update(local_tasks.run_harness(model, ctx.tokenizer, tasks, include, int(cfg.batch_size),
-                                               int(cfg.max_length), cfg.get("limit"), shots, offline))
+                                               int(cfg.max_length), cfg.limit, shots, offline))
         return out
 
     settings = {**plain(cfg), "docs": _docs_digest(docs)}
@@ -113,7 +113,7 @@ def ruler(ctx, student) -> dict | None:
     """{"teacher": {length: {task: score}}, "student": {...}} or None when `eval.ruler.name` is none."""
     from tcal.evaluate.ruler import score_ruler
 
-    cfg = ctx.cfg.eval.ruler
+    cfg = ctx.settings.eval.ruler
     if cfg.name == "none":
         return None
     docs = [d.text for d in ctx.splits.evaluation]

@@ -120,7 +120,7 @@ class EvaluatedModel(PerplexityValidation):
 def eval_trainer(trainer_cfg, world: int) -> L.Trainer:
     """A Trainer that only validates, on the run's devices and precision (data parallel over the run's ranks)."""
     return L.Trainer(accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices,
-                     num_nodes=trainer_cfg.get("num_nodes", 1), strategy="ddp" if world > 1 else "auto",
+                     num_nodes=trainer_cfg.num_nodes, strategy="ddp" if world > 1 else "auto",
                      precision=trainer_cfg.precision, logger=False, use_distributed_sampler=False,
                      enable_model_summary=False, enable_checkpointing=False, inference_mode=False)
 

@@ -48,7 +48,7 @@ def calibration_tokens_digest(ctx) -> str:
 
 def selection_key(cfg, ctx, extra: dict | None = None) -> tuple[str, dict]:
     """(digest, the parts it was built from) for the scores of policy `cfg.name`."""
-    data = {k: v for k, v in plain(ctx.cfg.data).items() if k not in EVALUATION_ONLY}
+    data = {k: v for k, v in plain(ctx.settings.data).items() if k not in EVALUATION_ONLY}
     parts = {
         "teacher": teacher_fingerprint(ctx.teacher),
         "policy": str(cfg.name),
@@ -62,7 +62,7 @@ def selection_key(cfg, ctx, extra: dict | None = None) -> tuple[str, dict]:
 
 def score_folder(cfg, ctx) -> Path | None:
     """Where scores are cached (none with `retention.cache=false`)."""
-    return ctx.cache_dir / "retention" if cfg.get("cache", True) else None
+    return ctx.cache_dir / "retention" if cfg.cache else None
 
 
 def score_codec(key: str, parts: dict) -> Codec[dict[int, float]]:

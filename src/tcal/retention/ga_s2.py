@@ -34,9 +34,9 @@ CALIBRATION_NOT_SCORING = ("cache", "check")
 
 def initialized_gdns(ctx) -> dict[int, torch.nn.Module]:
     """Every layer's naive GDN (the same as in any student of this run), initialized by the run's init mode."""
-    teacher, init = ctx.teacher, ctx.cfg.init
+    teacher, init = ctx.teacher, ctx.settings.init
     device = next(teacher.parameters()).device
-    gdns = {i: naive_gdn(teacher, i, init.gqa_expansion, int(ctx.cfg.seed)).to(device)
+    gdns = {i: naive_gdn(teacher, i, init.gqa_expansion, int(ctx.settings.seed)).to(device)
             for i in range(ctx.num_layers)}
     apply_init(gdns, init, ctx)
     for gdn in gdns.values():
@@ -65,8 +65,8 @@ def probe_perplexities(ctx, gdns: dict, windows: torch.Tensor, batch_size: int) 
     """Layer -> its probe's perplexity; each rank evaluates its share of the probes, every rank gets all."""
     mine = set(ctx.ranks.share(range(len(gdns))))
     scores = {}
-    parts = probes(ctx.teacher, gdns, ctx.cfg.init.gqa_expansion, int(ctx.cfg.seed))
-    bar = tqdm(total=len(mine), desc=f"retention ga_s2 ({ctx.cfg.init.name}): probe ppl", unit="layer")
+    parts = probes(ctx.teacher, gdns, ctx.settings.init.gqa_expansion, int(ctx.settings.seed))
+    bar = tqdm(total=len(mine), desc=f"retention ga_s2 ({ctx.settings.init.name}): probe ppl", unit="layer")
     for i, probe in parts:
         if i in mine:
             scores[i] = perplexity(probe, windows, batch_size)
@@ -84,7 +84,7 @@ def ga_s2(cfg, ctx) -> Selection:
         windows = scoring_windows(cfg, ctx)
         return probe_perplexities(ctx, initialized_gdns(ctx), windows, int(cfg.batch_size))
 
-    run = ctx.cfg
+    run = ctx.settings
     calibration = {k: v for k, v in plain(run.calibration).items() if k not in CALIBRATION_NOT_SCORING}
     extra = {"init": plain(run.init), "calibration": calibration, "seed": int(run.seed)}
     return scored_selection(cfg, ctx, score, highest=False, extra=extra)

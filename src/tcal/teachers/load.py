@@ -104,37 +104,37 @@ def _convert_gguf(cfg, folder: Path, dtype: torch.dtype) -> Path:
 
 def trust_remote_code(cfg) -> bool:
     """Code shipped with a checkpoint runs only when the teacher config says `trust_remote_code: true`."""
-    return bool(cfg.get("trust_remote_code", False))
+    return bool(cfg.trust_remote_code)
 
 
 def load_tokenizer(cfg, cache_dir: str | Path):
     """The teacher's tokenizer, or the one its `tokenizer` node names (tiny test teachers borrow SmolLM2's)."""
-    source = cfg.get("tokenizer") or cfg
-    if source.get("path"):
+    source = cfg.tokenizer or cfg  # TokenizerSettings, or a mapping of its keys in a config node
+    if getattr(source, "path", None):
         return _from_pretrained(AutoTokenizer, resolve_pretrained(source.path), trust_remote_code(cfg))
-    if source.get("gguf_file"):
+    if getattr(source, "gguf_file", None):
         return AutoTokenizer.from_pretrained(_gguf_cached(source, Path(cache_dir), torch.float32))
     raise ValueError(f"teacher {cfg.name!r} names no tokenizer: set teacher.path or teacher.tokenizer")
 
 
 def load_teacher(cfg, cache_dir: str | Path):
-    """(teacher model in eval mode, tokenizer) from a `conf/teacher/*.yaml` node."""
+    """(teacher model in eval mode, tokenizer) from `TeacherSettings` (or a `conf/teacher/*.yaml` node)."""
     dtype = torch_dtype(cfg.dtype)
     cache_dir = Path(cache_dir)
-    attn = cfg.get("attn_implementation", "sdpa")
-    if cfg.get("path"):
+    attn = cfg.attn_implementation
+    if cfg.path:
         path = resolve_pretrained(cfg.path)
         trust = trust_remote_code(cfg)
         adapter_for(_from_pretrained(AutoConfig, path, trust))
         model = _from_pretrained(AutoModelForCausalLM, path, trust, dtype=dtype, attn_implementation=attn)
-    elif cfg.get("gguf_file"):
+    elif cfg.gguf_file:
         folder = _gguf_cached(cfg, cache_dir, dtype)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)
-    elif cfg.get("config"):
+    elif cfg.config:
         config = config_from_node(cfg.config)
         adapter_for(config)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.get("seed", 0))
+            torch.manual_seed(cfg.seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     else:
         raise ValueError(f"teacher {cfg.name!r} needs one of: path (hub id or folder), gguf_file, config")

@@ -1,4 +1,4 @@
-"""Running the stages of `cfg.stage` after the init: planning (checked before any work), Lightning Trainers,
+"""Running the stages of the `stage` setting after the init: planning (checked before any work), Lightning Trainers,
 checkpoints and resume, the Stage 1 cache (`tcal.cache`, kind `stage1`), and the stage records of results.json
 (their fields: `tcal.record`).
 
@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tcal.cache import Codec, get_or_build, tensor_codec
+from tcal.config import TrainerSettings, stages_of
 from tcal.data import eval_sets, token_windows
 from tcal.distributed import world_size
 from tcal.evaluate.validation import eval_dataloaders
@@ -36,15 +37,6 @@ log = logging.getLogger(__name__)
 BUDGET_KEYS = ("max_tokens", "eval_every_tokens", "batch_size", "seq_len")
 
 
-def stages_of(node) -> list[tuple[str, object, str]]:
-    """[(kind, settings node, override prefix)] of a `stage` config node, in the order they run."""
-    if node.name == "none":
-        return []
-    if "sequence" in node:
-        return [(kind, node[kind], f"stage.{kind}") for kind in node.sequence]
-    return [(node.kind, node, "stage")]
-
-
 @dataclass
 class StagePlan:
     kind: str
@@ -59,13 +51,13 @@ class StagePlan:
 def plan_stages(ctx) -> list[StagePlan]:
     """Tokenized, packed training data and step counts for each stage (settings checked by `tcal.validate`);
     fails before conversion when the training split is shorter than one sequence."""
-    cfg, plans = ctx.cfg, []
-    world = world_size(cfg.trainer)
-    for kind, node, prefix in stages_of(cfg.stage):
+    settings, plans = ctx.settings, []
+    world = world_size(settings.trainer)
+    for kind, node, prefix in stages_of(settings.stage):
         tokens_per_step = node.batch_size * node.seq_len * world
         total_steps = node.max_tokens // tokens_per_step
         data = PackedTextDataModule(ctx.splits.train, ctx.tokenizer, node.seq_len, node.batch_size, total_steps,
-                                    int(cfg.seed), ctx.cache_dir if node.get("cache_tokens", True) else None)
+                                    int(settings.seed), ctx.cache_dir if node.cache_tokens else None)
         plans.append(StagePlan(kind, node, prefix, data, total_steps,
                                max(round(node.eval_every_tokens / tokens_per_step), 1), tokens_per_step))
     return plans
@@ -76,13 +68,14 @@ def stage1_key(ctx, student, plan: StagePlan) -> str:
     settings, its training windows, the seed and the number of ranks."""
     gdn_start = [tensor_bytes(t) for t in gdn_state(student).values()]
     return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, stage1_settings(plan.cfg),
-                  tensor_bytes(plan.data.windows), int(ctx.cfg.seed), world_size(ctx.cfg.trainer))
+                  tensor_bytes(plan.data.windows), int(ctx.settings.seed), world_size(ctx.settings.trainer))
 
 
 def stage1_settings(cfg) -> dict:
     """The Stage 1 settings that shape its result: `stage=align` and the align part of `stage=align_distill`
-    share entries (nested nodes a sweep adds to one of them, `cache` and `name` do not count)."""
-    return {k: v for k, v in plain(cfg).items() if not isinstance(v, dict) and k not in ("cache", "name")}
+    share entries (nested nodes a sweep adds to one of them, `cache`, `cache_tokens` and `name` do not count)."""
+    return {k: v for k, v in plain(cfg).items()
+            if not isinstance(v, dict) and k not in ("cache", "cache_tokens", "name")}
 
 
 def gdn_state(student) -> dict:
@@ -107,22 +100,22 @@ def stage1_codec(student) -> Codec[tuple[dict, object]]:
     return tensor_codec(lambda done: (gdn_state(done[1]), done[0]), decode)
 
 
-def make_trainer(cfg, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Trainer:
+def make_trainer(trainer_settings: TrainerSettings, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Trainer:
     """The stage's Trainer: validation (the curve) every `eval_every_steps` optimizer steps, and the last checkpoint
     written after each validation, so a checkpoint always holds the curve up to its own step."""
-    trainer_cfg = cfg.trainer
+    trainer_cfg = trainer_settings
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints" / plan.kind, filename="last", save_top_k=1,
                                  monitor=None, enable_version_counter=False, save_on_train_epoch_end=False)
-    strategy = (trainer_cfg.get("stage_strategy") or {}).get(plan.kind, trainer_cfg.strategy)
+    strategy = (trainer_cfg.stage_strategy or {}).get(plan.kind, trainer_cfg.strategy)
     # max_epochs=-1: the sampler ends the data at max_steps; with max_epochs=1 a resumed run stops early (tested)
     return L.Trainer(
-        accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.get("num_nodes", 1),
+        accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.num_nodes,
         strategy=strategy, precision=trainer_cfg.precision, max_steps=plan.total_steps, max_epochs=-1,
         gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
         callbacks=[*callbacks, checkpoint], default_root_dir=str(run_dir), use_distributed_sampler=False,
         val_check_interval=plan.eval_every_steps, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         log_every_n_steps=1, enable_model_summary=False, inference_mode=False,
-        deterministic=trainer_cfg.get("deterministic", False),
+        deterministic=trainer_cfg.deterministic,
     )
 
 
@@ -183,7 +176,7 @@ def unsharded_student(trainer, student, ctx, kind: str):
         return student.to(ctx.device)
     from tcal.hybrid import HybridForCausalLM
 
-    fresh = HybridForCausalLM(student.config).to(torch.float32 if str(ctx.cfg.trainer.precision).endswith("-mixed")
+    fresh = HybridForCausalLM(student.config).to(torch.float32 if str(ctx.settings.trainer.precision).endswith("-mixed")
                                                   else next(ctx.teacher.parameters()).dtype)
     if ctx.ranks.is_main:
         fresh.load_state_dict(student_weights(state))
@@ -198,7 +191,7 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
     """Train `student` for one stage; returns (the stage's record: summary and curve, the trained student). The
     student is trained in place except under FSDP and DeepSpeed, whose full weights come back in a fresh copy."""
     if plan.kind == "align":
-        folder = ctx.cache_dir / "stage1" / ctx.cfg.teacher.name if plan.cfg.get("cache", True) else None
+        folder = ctx.cache_dir / "stage1" / ctx.settings.teacher.name if plan.cfg.cache else None
         record, student = get_or_build("stage1", stage1_key(ctx, student, plan),
                                        lambda: train_stage(plan, ctx, student, logger, on_curve, resume),
                                        folder=folder, codec=stage1_codec(student), ranks=ctx.ranks)
@@ -210,21 +203,22 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
 
 def train_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
     """`run_stage` without the Stage 1 cache."""
-    cfg = ctx.cfg
-    windows = {name: token_windows(docs, ctx.tokenizer, int(cfg.eval.seq_len), int(cfg.eval.num_windows))
-               for name, docs in eval_sets(cfg.data, ctx.splits).items()}
-    plan.data.eval_loaders = lambda: eval_dataloaders(windows, int(cfg.eval.batch_size), ctx.ranks.rank,
+    settings = ctx.settings
+    ev = settings.eval
+    windows = {name: token_windows(docs, ctx.tokenizer, int(ev.seq_len), int(ev.num_windows))
+               for name, docs in eval_sets(settings.data, ctx.splits).items()}
+    plan.data.eval_loaders = lambda: eval_dataloaders(windows, int(ev.batch_size), ctx.ranks.rank,
                                                       ctx.ranks.world_size)
     module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps, eval_names=list(windows),
                                on_curve=on_curve)
-    trainer = make_trainer(cfg, plan, ctx.run_dir, logger, ctx.extra_callbacks)
+    trainer = make_trainer(settings.trainer, plan, ctx.run_dir, logger, ctx.extra_callbacks)
     last = ctx.run_dir / "checkpoints" / plan.kind / "last.ckpt"
     ckpt_path = str(last) if resume and last.is_file() else None
     if ckpt_path:
         log.info("stage %s: resuming from %s", plan.kind, ckpt_path)
     drop_rows_after(logger, plan.kind, checkpoint_progress(last).get("tokens_seen") if ckpt_path else None)
     start = time.perf_counter()
-    with teacher_in_dtype(ctx.teacher, plan.cfg.get("teacher_dtype")):
+    with teacher_in_dtype(ctx.teacher, getattr(plan.cfg, "teacher_dtype", None)):
         if ckpt_path is None:
             trainer.validate(module, datamodule=plan.data, verbose=False)  # the curve's point at token 0
         trainer.fit(module, datamodule=plan.data, ckpt_path=ckpt_path)

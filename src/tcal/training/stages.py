@@ -64,8 +64,7 @@ class StageModule(PerplexityValidation):
 
     def setup(self, stage: str) -> None:
         self.student.train()  # no dropout in these models; train mode states the intent (and silences Lightning)
-        self.set_checkpointing(bool(self.cfg.get("checkpoint_mixers", False)),
-                               bool(self.cfg.get("activation_checkpointing", False)))
+        self.set_checkpointing(bool(self.cfg.checkpoint_mixers), bool(self.cfg.activation_checkpointing))
 
     def teardown(self, stage: str) -> None:
         self.set_checkpointing(False, False)
@@ -94,11 +93,11 @@ class StageModule(PerplexityValidation):
 
     def configure_optimizers(self):
         cfg = self.cfg
-        fused = bool(cfg.get("fused_optimizer", False)) and self.device.type in ("cpu", "cuda")
+        fused = bool(cfg.fused_optimizer) and self.device.type in ("cpu", "cuda")
         optimizer = torch.optim.AdamW(self.parameter_groups(), betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                                       fused=fused or None)
         return {"optimizer": optimizer,
-                "lr_scheduler": lr_schedule(optimizer, cfg.schedule, self.total_steps, cfg.get("min_lr_ratio", 0.0))}
+                "lr_scheduler": lr_schedule(optimizer, cfg.schedule, self.total_steps, cfg.min_lr_ratio)}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Norm clipping also for the fused AdamW under bf16 autocast: bfloat16 has no gradient scaler, so there is

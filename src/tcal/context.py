@@ -1,0 +1,36 @@
+"""`RunContext`: what one run's steps share (typed settings and loaded objects), built by `tcal.pipeline` for a
+`tcal` run and by `tcal.api` for each call from Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tcal.config import RunSettings
+from tcal.data import Splits
+from tcal.distributed import Ranks
+
+
+@dataclass
+class RunContext:
+    """What the pluggable steps (retention policies, init modes, stages, evaluation) may read: typed settings and
+    the loaded objects, never the Hydra config."""
+
+    settings: RunSettings
+    teacher: torch.nn.Module
+    tokenizer: object
+    splits: Splits
+    cache_dir: Path
+    run_dir: Path
+    extra_callbacks: list = field(default_factory=list)  # Lightning callbacks added to every stage's Trainer
+    ranks: Ranks = field(default_factory=Ranks)
+
+    @property
+    def num_layers(self) -> int:
+        return self.teacher.config.num_hidden_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.ranks.device

@@ -1,0 +1,71 @@
+"""The Python API: docs/python_api.md's example runs as written on the tiny teacher, and the typed settings'
+defaults are conf/'s."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+from conftest import compose, isolated_cache_dir
+
+from tcal.config import (
+    INIT_SETTINGS,
+    AlignSettings,
+    DistillSettings,
+    RunSettings,
+    StageSequenceSettings,
+    init_settings,
+    run_settings,
+    tiny_teacher,
+    typed,
+)
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "python_api.md"
+
+
+def python_block(text: str) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 1, f"expected one python block in {DOC}, found {len(blocks)}"
+    return blocks[0]
+
+
+def test_the_documented_example_runs_as_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("TCAL_CACHE_DIR", isolated_cache_dir(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(python_block(DOC.read_text()), str(DOC), "exec"), namespace)
+    assert namespace["keep"] == [0, 2]
+    assert namespace["stages"]["distill"]["tokens_seen"] == 1024
+    figures = namespace["results"]["metrics"]["shakespeare"]
+    assert math.isfinite(figures["teacher_ppl"]) and math.isfinite(figures["student_ppl"])
+    assert (tmp_path / "outputs" / "my_student" / "config.json").is_file()
+
+
+def test_run_settings_defaults_are_the_default_config():
+    assert run_settings(compose()) == RunSettings()
+
+
+@pytest.mark.parametrize("mode", sorted(INIT_SETTINGS))
+def test_init_settings_are_conf_init_options(mode):
+    assert typed("init", compose(f"init={mode}").init) == init_settings(mode)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tiny_teacher_settings_are_conf_tiny_teachers(family):
+    assert run_settings(compose(f"teacher=tiny_{family}")).teacher == tiny_teacher(family)
+
+
+def test_stage_settings_are_conf_stage_options():
+    assert run_settings(compose("stage=align")).stage == AlignSettings()
+    assert run_settings(compose("stage=distill")).stage == DistillSettings()
+    assert run_settings(compose("stage=align_distill")).stage == StageSequenceSettings()
+
+
+def test_a_config_read_back_from_results_json_gets_its_classes():
+    from omegaconf import OmegaConf
+
+    cfg = compose("experiment=smoke", "init=full_plus", "stage=align_distill", "retention=ar")
+    recorded = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # untyped, as resume reads it
+    assert run_settings(recorded) == run_settings(cfg)
