@@ -1,5 +1,5 @@
-"""The Python API: docs/python_api.md's example runs as written on the tiny teacher, and the typed settings'
-defaults are conf/'s."""
+"""The Python API: README's example runs as written on the tiny teacher (docs/python_api.md shows the same code),
+and the typed settings' defaults are conf/'s."""
 
 from __future__ import annotations
 
@@ -22,20 +22,25 @@ from tcal.config import (
     typed,
 )
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "python_api.md"
+ROOT = Path(__file__).resolve().parents[1]
+README, DOC = ROOT / "README.md", ROOT / "docs" / "python_api.md"
 
 
-def python_block(text: str) -> str:
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 1, f"expected one python block in {DOC}, found {len(blocks)}"
+def python_block(path: Path) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+    assert len(blocks) == 1, f"expected one python block in {path}, found {len(blocks)}"
     return blocks[0]
+
+
+def test_the_docs_show_readmes_example():
+    assert python_block(DOC) == python_block(README)
 
 
 def test_the_documented_example_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.setenv("TCAL_CACHE_DIR", isolated_cache_dir(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(python_block(DOC.read_text()), str(DOC), "exec"), namespace)
+    exec(compile(python_block(README), str(README), "exec"), namespace)
     assert namespace["keep"] == [0, 2]
     assert namespace["stages"]["distill"]["tokens_seen"] == 1024
     figures = namespace["results"]["metrics"]["shakespeare"]
