@@ -194,7 +194,8 @@ def long_context_peak_rss(teacher_cfg, cache_dir, keep_layers, context: int, bat
     return peaks
 
 
-def long_context_lines(context: int, retention: float, teacher: dict, student: dict, peaks: dict, **extra):
+def long_context_lines(context: int, retention: float, teacher: dict, student: dict, peaks: dict | None = None,
+                       **extra):
     """The JSON lines of one student against the teacher at one context (targets at retention 0.5 only). Times
     are process CPU seconds (the ratio's), with the wall seconds beside them."""
     def line(figure: str, batch: int, unit: str, teacher_value, student_value, **more) -> dict:
@@ -208,12 +209,13 @@ def long_context_lines(context: int, retention: float, teacher: dict, student: d
         return line(figure, batch, "s", teacher_cpu_wall[0], student_cpu_wall[0], teacher_wall_s=teacher_cpu_wall[1],
                     student_wall_s=student_cpu_wall[1])
 
+    if peaks:  # measured after the timed figures, which are printed first: a killed run keeps those
+        return [line("peak_rss", batch, "bytes", peaks[TEACHER_RETENTION][batch], peaks[retention][batch])
+                for batch in teacher["decode"]]
     lines = [timed("prefill", 1, *((m["prefill"].cpu, m["prefill"].wall) for m in (teacher, student)))]
     for batch in teacher["decode"]:
         lines.append(timed("decode_per_token", batch, teacher["decode"][batch], student["decode"][batch]))
         lines.append(line("cache_bytes", batch, "bytes", teacher["cache_bytes"][batch], student["cache_bytes"][batch]))
-        if peaks:
-            lines.append(line("peak_rss", batch, "bytes", peaks[TEACHER_RETENTION][batch], peaks[retention][batch]))
     return lines
 
 
@@ -234,12 +236,16 @@ def bench_longctx(teacher, teacher_cfg, cache_dir, ratios=LONG_CONTEXT_RATIOS, c
     lines = []
     for context in contexts:
         timed = time_long_context(models, context, batches, decode_tokens)
+        extra = dict(model=teacher_cfg.name, threads=torch.get_num_threads(),
+                     kv_layer=timed[TEACHER_RETENTION]["kv_layer"])
+        for ratio in ratios:
+            lines += long_context_lines(context, ratio, timed[TEACHER_RETENTION], timed[ratio], **extra)
+        if not peak_rss:
+            continue
         peaks = {retention: in_fresh_process(long_context_peak_rss, teacher_cfg, str(cache_dir), keep.get(retention),
                                              context, tuple(batches))
-                 for retention in models} if peak_rss else {}
+                 for retention in models}
         for ratio in ratios:
-            lines += long_context_lines(context, ratio, timed[TEACHER_RETENTION], timed[ratio], peaks,
-                                         model=teacher_cfg.name, threads=torch.get_num_threads(),
-                                         kv_layer=timed[TEACHER_RETENTION]["kv_layer"])
+            lines += long_context_lines(context, ratio, timed[TEACHER_RETENTION], timed[ratio], peaks, **extra)
     return lines
 

@@ -1,6 +1,8 @@
 """The benchmark entry runs end to end on tiny inputs (figures, not timings, are checked), and a decode benchmarked
 at batch 8 from a repeated batch-1 cache decodes like the batch-1 cache."""
 
+import json
+
 import pytest
 import torch
 from conftest import TINY_VOCAB, compose, make_teacher, repo_cache_dir
@@ -83,6 +85,21 @@ def test_bench_longctx_prints_every_figure(capsys):
         assert line["target"] == "ratio <= 0.52"
     assert all(line["ratio"] > 0 for line in lines)
     assert len(capsys.readouterr().out.strip().splitlines()) == len(lines)
+
+
+def test_bench_longctx_prints_the_timed_figures_before_the_peak_rss_processes(capsys, monkeypatch):
+    """A run killed while measuring a context's peak RSS (minutes per model at 32k) keeps its timed figures."""
+    import longctx
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(longctx, "in_fresh_process", killed)
+    with pytest.raises(KeyboardInterrupt):
+        bench_longctx(make_teacher("llama"), compose("teacher=tiny_llama").teacher, None, ratios=(0.5,),
+                      contexts=(32,), batches=(1,), decode_tokens=2, peak_rss=True)
+    printed = [json.loads(line)["figure"] for line in capsys.readouterr().out.strip().splitlines()]
+    assert printed == ["prefill", "decode_per_token", "cache_bytes"]
 
 
 @pytest.mark.slow
