@@ -66,13 +66,17 @@ CASES = [
     (["stage=align_distill", "stage.align.weight_decay=-1"], r"stage.align.weight_decay=-1; expected a number >= 0"),
     (["stage=distill", "stage.ce_weight=-1"], r"stage.ce_weight=-1; expected a number >= 0"),
     (["stage=align", "stage.min_lr_ratio=1.5"], r"stage.min_lr_ratio=1.5; expected a number in \[0, 1\]"),
-    (["init=full_plus", "init.pool.windows=4"], r"init.pool.held_out_every=8; expected an integer from 2 to "
-                                                r"init.pool.windows=4"),
-    (["init=full_plus", "init.pool.windows=8", "init.phase2.batch_size=8"],
-     r"init.phase2.batch_size=8 is more than the 7 fit windows of the pool"),
+    (["init=full_plus", "init.pool.tokens=256"], r"init.pool.held_out_every=8; expected an integer from 2 to the 4 "
+                                                 r"windows of the pool \(init.pool.tokens=256 / calibration.seq_len=64"),
+    (["init=full_plus", "calibration.seq_len=2048", "init.phase2.batch_size=8"],
+     r"init.phase2.batch_size=8 is more than the 7 fit windows of the pool \(8 windows of calibration.seq_len=2048"),
+    (["init=full_plus", "calibration.seq_len=1000"], r"init.pool.tokens=16384; expected a multiple of "
+                                                     r"calibration.seq_len=1000"),
+    (["init=full_plus", "calibration.seq_len=8192", "init.pool.tokens=65536"],
+     r"calibration.seq_len=8192 is beyond the teacher's context of 4096"),
     (["init=full_plus", "init.phase2.weight_decay=-1"], r"init.phase2.weight_decay=-1; expected a number >= 0"),
-    (["init=full_plus", "init.pool.seq_len=2048"], r"init.pool.windows=64 windows of init.pool.seq_len=2048 need "
-                                                   r"131072 tokens, but the calibration split has \d+"),
+    (["init=full_plus", "init.pool.tokens=131072"], r"init.pool.tokens=131072 \(windows of calibration.seq_len=64\) "
+                                                    r"need 131072 tokens, but the calibration split has \d+"),
     # types: true/false and numbers where conf/ gives them
     (["save_student=maybe"], r"save_student='maybe'; expected true or false"),
     (["calibration.check=1"], r"calibration.check=1; expected true or false"),
