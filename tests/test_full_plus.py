@@ -14,7 +14,7 @@ from conftest import compose, isolated_cache_dir, make_teacher
 
 from tcal.calibration.align import alignment_metrics
 from tcal.calibration.calibrate import ArtifactStore
-from tcal.calibration.pool import align_on_pool, calibrate_on_pool, minibatches
+from tcal.calibration.pool import align_on_pool, calibrate_on_pool, minibatches, pool_windows
 from tcal.convert import naive_gdn
 from tcal.data import Document, Splits
 from tcal.gdn import GatedDeltaNet
@@ -38,6 +38,11 @@ def numbers(first: int, last: int) -> str:
     return " ".join(str(i) for i in range(first, last + 1))
 
 
+def calibration_seq_len(seq_len: int) -> SimpleNamespace:
+    """The run config as `full_plus_pool` reads it: the window length is `calibration.seq_len`."""
+    return SimpleNamespace(calibration=SimpleNamespace(seq_len=seq_len))
+
+
 def pool_cfg(**phase2):
     steps = {"steps": 6, "batch_size": 2, "select_every": 2, "lr_projections": 1e-2, "lr_dynamics": 1e-2,
              "weight_decay": 0.01, "grad_clip": 1.0, "schedule": "constant", **phase2}
@@ -52,8 +57,8 @@ def test_pool_windows_by_hand():
     (indices 3 and 7) is held out. Training and evaluation documents use other ids, and none of them appear."""
     splits = Splits(train=[Document("train", numbers(40, 60))], calibration=[Document("cal", numbers(1, 17))],
                     evaluation=[Document("eval", numbers(70, 90))])
-    ctx = SimpleNamespace(splits=splits, tokenizer=WordTokenizer())
-    cfg = SimpleNamespace(pool=SimpleNamespace(seq_len=2, windows=8, held_out_every=4))
+    ctx = SimpleNamespace(splits=splits, tokenizer=WordTokenizer(), cfg=calibration_seq_len(2))
+    cfg = SimpleNamespace(pool=SimpleNamespace(tokens=16, held_out_every=4))
     pool = full_plus_pool(ctx, cfg)
     assert pool.fit.tolist() == [[1, 2], [3, 4], [5, 6], [9, 10], [11, 12], [13, 14]]
     assert pool.held_out.tolist() == [[7, 8], [15, 16]]
@@ -65,9 +70,27 @@ def test_pool_windows_by_hand():
 
 
 def test_pool_needs_held_out_and_fit_windows():
-    ctx = SimpleNamespace(splits=Splits([], [Document("cal", numbers(1, 17))], []), tokenizer=WordTokenizer())
+    ctx = SimpleNamespace(splits=Splits([], [Document("cal", numbers(1, 17))], []), tokenizer=WordTokenizer(),
+                          cfg=calibration_seq_len(2))
     with pytest.raises(ValueError, match="every 9th of 8 windows"):
-        full_plus_pool(ctx, SimpleNamespace(pool=SimpleNamespace(seq_len=2, windows=8, held_out_every=9)))
+        full_plus_pool(ctx, SimpleNamespace(pool=SimpleNamespace(tokens=16, held_out_every=9)))
+
+
+def test_longer_windows_cut_the_same_budget_into_fewer_windows():
+    """Calibration split "1 .. 35" + EOS is 36 tokens. A 16-token budget is 8 windows of 2 (stride 4) or 2 windows
+    of 8 (stride 28); the held-out window of each cut is the last."""
+    ctx = SimpleNamespace(splits=Splits([], [Document("cal", numbers(1, 35))], []), tokenizer=WordTokenizer())
+    cfg = SimpleNamespace(pool=SimpleNamespace(tokens=16, held_out_every=2))
+    short = full_plus_pool(SimpleNamespace(**vars(ctx), cfg=calibration_seq_len(2)), cfg)
+    long = full_plus_pool(SimpleNamespace(**vars(ctx), cfg=calibration_seq_len(8)), cfg)
+    assert short.fit.tolist() == [[1, 2], [9, 10], [17, 18], [25, 26]]
+    assert short.held_out.tolist() == [[5, 6], [13, 14], [21, 22], [29, 30]]
+    assert long.fit.tolist() == [list(range(1, 9))]
+    assert long.held_out.tolist() == [list(range(29, 36)) + [EOS]]
+    assert short.fit.numel() + short.held_out.numel() == long.fit.numel() + long.held_out.numel() == 16
+    assert pool_windows(16384, 256) == 64 and pool_windows(16384, 2048) == 8
+    with pytest.raises(ValueError, match="a pool of 16 tokens does not cut into whole windows of 5 tokens"):
+        pool_windows(16, 5)
 
 
 def test_minibatches_are_seeded():
@@ -150,7 +173,7 @@ def test_same_seed_same_layers():
 # ------------------------------------------------------------------ end to end
 
 
-TINY_FULL_PLUS = ("experiment=smoke", "init=full_plus", "init.pool.seq_len=32", "init.pool.windows=16",
+TINY_FULL_PLUS = ("experiment=smoke", "init=full_plus", "calibration.seq_len=32", "init.pool.tokens=512",
                   "init.phase2.steps=6", "init.phase2.select_every=3", "save_student=false")
 
 
@@ -166,6 +189,7 @@ def test_full_plus_end_to_end_and_cached(tmp_path):
     assert first["status"] == "complete" and first["init_mode"] == "full_plus"
     calibration = first["calibration"]
     assert calibration["pool_tokens"] == 14 * 32 and calibration["held_out_tokens"] == 2 * 32
+    assert calibration["pool_seq_len"] == 32
     assert sorted(calibration["layers"]) == ["1", "3"]
     for record in calibration["layers"].values():
         assert record["cached"] is False
@@ -182,4 +206,21 @@ def test_full_plus_end_to_end_and_cached(tmp_path):
     changed = run_full_plus(tmp_path, cache, "changed", "init.phase1_rules=[value_scale]")
     assert all(r["cached"] is False for r in changed["calibration"]["layers"].values())
     assert all(list(r["phase1"]) == ["sigma"] for r in changed["calibration"]["layers"].values())  # those rules only
+    assert len(list((Path(cache) / "calibration" / "tiny_llama").glob("*.safetensors"))) == 4
+
+
+def test_full_plus_on_windows_as_long_as_the_teacher_reads(tmp_path):
+    """calibration.seq_len=2048 cuts the same 4,096-token pool into one fit and one held-out window instead of 64 +
+    64 of 32 tokens; the long run calibrates (its own artifacts, not the short run's) and evaluates."""
+    cache = isolated_cache_dir(tmp_path / "cache")
+    short = run_full_plus(tmp_path, cache, "short", "init.pool.tokens=4096", "init.pool.held_out_every=2")
+    long = run_full_plus(tmp_path, cache, "long", "init.pool.tokens=4096", "init.pool.held_out_every=2",
+                         "calibration.seq_len=2048", "init.phase2.batch_size=1")
+    assert short["calibration"]["pool_seq_len"] == 32 and long["calibration"]["pool_seq_len"] == 2048
+    for run_results in (short, long):
+        calibration = run_results["calibration"]
+        assert calibration["pool_tokens"] == calibration["held_out_tokens"] == 2048
+        assert all(r["cached"] is False for r in calibration["layers"].values())
+        assert all(len(r["phase2"]["losses"]) == 6 for r in calibration["layers"].values())
+    assert long["status"] == "complete" and long["metrics"] != short["metrics"]
     assert len(list((Path(cache) / "calibration" / "tiny_llama").glob("*.safetensors"))) == 4

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 # Decoder layers per teacher: four, or two for Qwen3-8B, whose embeddings alone are 1.2B parameters.
 LAYERS = {"qwen2_5_1_5b": 4, "qwen2_5_3b": 4, "llama3_2_3b": 4, "qwen3_8b": 2}
 SMALL_CALIBRATION = ["experiment=smoke", "calibration.phase2.steps=3", "calibration.check=false",
-                     "calibration.cache=false", "init.pool.windows=8", "init.pool.seq_len=64",
+                     "calibration.cache=false", "init.pool.tokens=512",
                      "init.pool.held_out_every=4", "init.phase2.steps=3", "init.phase2.batch_size=2",
                      "init.phase2.select_every=2"]
 # Lightning's MixedPrecision refuses gradient clipping with a fused optimizer ("does not allow for gradient clipping

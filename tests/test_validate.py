@@ -65,13 +65,17 @@ CASES = [
     (["stage=align_distill", "stage.align.weight_decay=-1"], r"stage.align.weight_decay=-1.0; expected a number >= 0"),
     (["stage=distill", "stage.ce_weight=-1"], r"stage.ce_weight=-1.0; expected a number >= 0"),
     (["stage=align", "stage.min_lr_ratio=1.5"], r"stage.min_lr_ratio=1.5; expected a number in \[0, 1\]"),
-    (["init=full_plus", "init.pool.windows=4"], r"init.pool.held_out_every=8; expected an integer from 2 to "
-                                                r"init.pool.windows=4"),
-    (["init=full_plus", "init.pool.windows=8", "init.phase2.batch_size=8"],
-     r"init.phase2.batch_size=8 is more than the 7 fit windows of the pool"),
+    (["init=full_plus", "init.pool.tokens=256"], r"init.pool.held_out_every=8; expected an integer from 2 to the 4 "
+                                                 r"windows of the pool \(init.pool.tokens=256 / calibration.seq_len=64"),
+    (["init=full_plus", "calibration.seq_len=2048", "init.phase2.batch_size=8"],
+     r"init.phase2.batch_size=8 is more than the 7 fit windows of the pool \(8 windows of calibration.seq_len=2048"),
+    (["init=full_plus", "calibration.seq_len=1000"], r"init.pool.tokens=16384; expected a multiple of "
+                                                     r"calibration.seq_len=1000"),
+    (["init=full_plus", "calibration.seq_len=8192", "init.pool.tokens=65536"],
+     r"calibration.seq_len=8192 is beyond the teacher's context of 4096"),
     (["init=full_plus", "init.phase2.weight_decay=-1"], r"init.phase2.weight_decay=-1.0; expected a number >= 0"),
-    (["init=full_plus", "init.pool.seq_len=2048"], r"init.pool.windows=64 windows of init.pool.seq_len=2048 need "
-                                                   r"131072 tokens, but the calibration split has \d+"),
+    (["init=full_plus", "init.pool.tokens=131072"], r"init.pool.tokens=131072 \(windows of calibration.seq_len=64\) "
+                                                    r"need 131072 tokens, but the calibration split has \d+"),
     # keys no code reads
     (["+stage.lr_mixr=0.1", "stage=distill"], r"stage.lr_mixr=0.1: no such setting \(did you mean stage.lr_mixer\?\)"),
     (["+seeds=3"], r"seeds=3: no such setting \(did you mean seed\?\)"),
@@ -138,7 +142,7 @@ SCHEMA_CASES = [
     (["calibration.batch_size=abc"], "calibration.batch_size", r"'abc' of type 'str' .* to Integer"),
     (["retention.ratio=half"], "retention.ratio", r"'half' of type 'str' could not be converted to Float"),
     (["retention=explicit", "retention.keep=[0,1.5]"], "retention.keep[1]", r"'1.5' of type 'float' .* to Integer"),
-    (["init=full_plus", "init.pool.windows=many"], "init.pool.windows", r"'many' .* to Integer"),
+    (["init=full_plus", "init.pool.tokens=many"], "init.pool.tokens", r"'many' .* to Integer"),
     (["eval.position_buckets=[0,x]"], "eval.position_buckets[1]", r"'x' .* to Integer"),
     (["teacher.trust_remote_code=perhaps"], "teacher.trust_remote_code", r"'perhaps' is not a valid bool"),
 ]

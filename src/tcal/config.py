@@ -199,8 +199,7 @@ class GateInitSettings(InitSettings):
 
 @dataclass
 class PoolSettings:
-    windows: int = 64
-    seq_len: int = 256
+    tokens: int = 16384  # cut into windows of calibration.seq_len tokens
     held_out_every: int = 8
     layers_per_pass: Optional[int] = None
 

@@ -445,13 +445,16 @@ class CalibrationWork:
 
 
 def calibration_work(cfg, n_gdn: int) -> CalibrationWork | None:
-    """`init=full_plus`: its pool (`init.pool`, `init.phase2.batch_size`); `phase1` / `phase2` / `full`: the
-    calibration batch and its held-out check windows (`calibration.*`); None for inits that do not calibrate."""
+    """`init=full_plus`: its pool (`init.pool.tokens` in windows of `calibration.seq_len`, `init.phase2.batch_size`);
+    `phase1` / `phase2` / `full`: the calibration batch and its held-out check windows (`calibration.*`); None for
+    inits that do not calibrate."""
+    from tcal.calibration.pool import pool_windows
+
     init, cal = cfg.init, cfg.calibration
     if init.name == "full_plus":
         pool = init.pool
-        windows = int(pool.windows)
-        return CalibrationWork(int(pool.seq_len), windows, windows - windows // int(pool.held_out_every), windows,
+        windows = pool_windows(int(pool.tokens), int(cal.seq_len))
+        return CalibrationWork(int(cal.seq_len), windows, windows - windows // int(pool.held_out_every), windows,
                                int(init.phase2.batch_size), True, int(pool.get("layers_per_pass") or n_gdn))
     phases = list(init.get("phases") or [])
     if not phases:

@@ -24,6 +24,7 @@ from omegaconf import ListConfig, OmegaConf
 
 from tcal.calibration.calibrate import PHASES
 from tcal.calibration.phase1 import PHASE1_RULES
+from tcal.calibration.pool import pool_windows
 from tcal.convert import GQA_EXPANSIONS, validate_keep_layers
 from tcal.data import SOURCES, check_dataset_reachable, token_stream
 from tcal.errors import ConfigError
@@ -123,30 +124,37 @@ def check_init(cfg) -> None:
     if "gate_scale" in init:
         positive_number("init.gate_scale", init.gate_scale)
     if init.name == "full_plus":
-        check_full_plus(init)
+        check_full_plus(init, cfg.calibration.seq_len)
 
 
-def check_full_plus(init) -> None:
-    """The pool, its held-out windows and the minibatch Phase 2 of `init=full_plus`."""
+def check_full_plus(init, seq_len) -> None:
+    """The pool (`init.pool.tokens` in windows of `calibration.seq_len`), its held-out windows and the minibatch
+    Phase 2 of `init=full_plus`."""
     rules = list(init.phase1_rules)
     if not rules or any(r not in PHASE1_RULES for r in rules) or len(set(rules)) != len(rules):
         raise ConfigError(f"init.phase1_rules={rules}; expected a non-empty list without repeats of "
                           f"{', '.join(PHASE1_RULES)}")
     pool, phase2 = init.pool, init.phase2
-    positive_int("init.pool.windows", pool.windows)
-    window_length("init.pool.seq_len", pool.seq_len)
+    positive_int("init.pool.tokens", pool.tokens)
+    window_length("calibration.seq_len", seq_len)
+    if pool.tokens % seq_len:
+        raise ConfigError(f"init.pool.tokens={pool.tokens}; expected a multiple of calibration.seq_len={seq_len} "
+                          f"(the pool is cut into whole windows of that length)")
+    windows = pool_windows(pool.tokens, seq_len)
     every = pool.held_out_every
-    if not isinstance(every, int) or isinstance(every, bool) or not 2 <= every <= pool.windows:
-        raise ConfigError(f"init.pool.held_out_every={every!r}; expected an integer from 2 to init.pool.windows="
-                          f"{pool.windows} (every n-th pool window is held out: at least one must be)")
+    if not isinstance(every, int) or isinstance(every, bool) or not 2 <= every <= windows:
+        raise ConfigError(f"init.pool.held_out_every={every!r}; expected an integer from 2 to the {windows} windows "
+                          f"of the pool (init.pool.tokens={pool.tokens} / calibration.seq_len={seq_len}; every n-th "
+                          f"pool window is held out: at least one must be)")
     if pool.get("layers_per_pass") is not None:
         positive_int("init.pool.layers_per_pass", pool.layers_per_pass)
     for key in ("steps", "batch_size", "select_every"):
         positive_int(f"init.phase2.{key}", phase2[key])
-    fit = pool.windows - pool.windows // every
+    fit = windows - windows // every
     if phase2.batch_size > fit:
         raise ConfigError(f"init.phase2.batch_size={phase2.batch_size} is more than the {fit} fit windows of the pool "
-                          f"(init.pool.windows={pool.windows}, one in init.pool.held_out_every={every} held out)")
+                          f"({windows} windows of calibration.seq_len={seq_len}, one in "
+                          f"init.pool.held_out_every={every} held out)")
     for key in ("lr_projections", "lr_dynamics"):
         positive_number(f"init.phase2.{key}", phase2[key], "a learning rate > 0")
     one_of("init.phase2.schedule", phase2.schedule, SCHEDULES)
@@ -394,7 +402,7 @@ def check_lengths(cfg, context: int | None) -> None:
     if context is None:
         return
     lengths = [("eval.seq_len", cfg.eval.seq_len)]
-    if init_phases(cfg):
+    if init_phases(cfg) or cfg.init.name == "full_plus":
         lengths.append(("calibration.seq_len", cfg.calibration.seq_len))
     if cfg.retention.name in SCORED:
         lengths.append(("retention.seq_len", cfg.retention.seq_len))
@@ -459,8 +467,8 @@ def check_split_tokens(ctx, cfg) -> None:
                       windows * cal.seq_len, ctx.splits.calibration, "the calibration split"))
     if cfg.init.name == "full_plus":
         pool = cfg.init.pool
-        needs.append((f"init.pool.windows={pool.windows} windows of init.pool.seq_len={pool.seq_len}",
-                      pool.windows * pool.seq_len, ctx.splits.calibration, "the calibration split"))
+        needs.append((f"init.pool.tokens={pool.tokens} (windows of calibration.seq_len={cal.seq_len})",
+                      pool.tokens, ctx.splits.calibration, "the calibration split"))
     ret = cfg.retention
     if ret.name in SCORED and num_kept(ret.ratio, ctx.num_layers) < ctx.num_layers:
         needs.append((f"retention.num_windows={ret.num_windows} windows of retention.seq_len={ret.seq_len}",

@@ -42,6 +42,14 @@ class CalibrationPool:
     held_out: torch.Tensor  # [M, T] windows that only choose which state to keep
 
 
+def pool_windows(tokens: int, seq_len: int) -> int:
+    """Windows in a pool of `tokens` calibration tokens cut into windows of `seq_len`: longer windows, fewer of
+    them, the same budget (16,384 tokens are 64 windows of 256 or 8 of 2,048)."""
+    if seq_len < 1 or tokens % seq_len:
+        raise ValueError(f"a pool of {tokens} tokens does not cut into whole windows of {seq_len} tokens")
+    return tokens // seq_len
+
+
 def calibration_pool(docs, tokenizer, seq_len: int, num_windows: int, held_out_every: int) -> CalibrationPool:
     """`num_windows` non-overlapping windows spread over `docs` (pass the calibration split), every
     `held_out_every`-th one held out for state selection."""

@@ -5,15 +5,23 @@ config only, Phase 2 on minibatches of a calibration-split pool, the state kept 
 import dataclasses
 
 from tcal.calibration.calibrate import calibration_store
-from tcal.calibration.pool import CalibrationPool, calibrate_on_pool, calibration_pool
+from tcal.calibration.pool import CalibrationPool, calibrate_on_pool, calibration_pool, pool_windows
 from tcal.fingerprint import plain
 from tcal.init import INIT_MODES
 
 
+def pool_shape(cfg, seq_len: int) -> dict:
+    """The pool as it is cut: `cfg.pool.tokens` in windows of `seq_len` (the run's `calibration.seq_len`)."""
+    return {"windows": pool_windows(int(cfg.pool.tokens), int(seq_len)), "seq_len": int(seq_len),
+            "held_out_every": int(cfg.pool.held_out_every)}
+
+
 def full_plus_pool(ctx, cfg) -> CalibrationPool:
-    """The pool of `cfg.pool` windows, from the calibration split only (the evaluation split stays unseen)."""
-    return calibration_pool(ctx.splits.calibration, ctx.tokenizer, int(cfg.pool.seq_len), int(cfg.pool.windows),
-                            int(cfg.pool.held_out_every))
+    """The pool of `cfg.pool.tokens` in windows of `calibration.seq_len`, from the calibration split only (the
+    evaluation split stays unseen)."""
+    shape = pool_shape(cfg, ctx.settings.calibration.seq_len)
+    return calibration_pool(ctx.splits.calibration, ctx.tokenizer, shape["seq_len"], shape["windows"],
+                            shape["held_out_every"])
 
 
 @INIT_MODES.register("full_plus")
@@ -23,10 +31,11 @@ def full_plus(gdns, cfg, ctx) -> dict:
     pool = full_plus_pool(ctx, cfg)
     block_size = int(calibration.block_size)
     recipe = plain(cfg)
-    layers_per_pass = recipe["pool"].pop("layers_per_pass", None)  # memory only: not part of the artifact key
+    layers_per_pass = recipe["pool"].get("layers_per_pass")  # memory only: not part of the artifact key
+    recipe["pool"] = pool_shape(cfg, ctx.settings.calibration.seq_len)  # keyed by the windows as cut
     settings = {"init": recipe, "phase1": plain(phase1_cfg), "block_size": block_size}
     records = calibrate_on_pool(ctx.teacher, gdns, pool, cfg.phase1_rules, phase1_cfg, cfg.phase2, settings,
                                 calibration_store(ctx), int(ctx.settings.seed), block_size, layers_per_pass,
                                 ctx.ranks)
-    return {"phase1_rules": list(cfg.phase1_rules), "pool_tokens": pool.fit.numel(),
+    return {"phase1_rules": list(cfg.phase1_rules), "pool_seq_len": pool.fit.shape[1], "pool_tokens": pool.fit.numel(),
             "held_out_tokens": pool.held_out.numel(), "layers": {str(i): r for i, r in records.items()}}
