@@ -57,7 +57,7 @@ def test_pool_windows_by_hand():
     (indices 3 and 7) is held out. Training and evaluation documents use other ids, and none of them appear."""
     splits = Splits(train=[Document("train", numbers(40, 60))], calibration=[Document("cal", numbers(1, 17))],
                     evaluation=[Document("eval", numbers(70, 90))])
-    ctx = SimpleNamespace(splits=splits, tokenizer=WordTokenizer(), cfg=calibration_seq_len(2))
+    ctx = SimpleNamespace(splits=splits, tokenizer=WordTokenizer(), settings=calibration_seq_len(2))
     cfg = SimpleNamespace(pool=SimpleNamespace(tokens=16, held_out_every=4))
     pool = full_plus_pool(ctx, cfg)
     assert pool.fit.tolist() == [[1, 2], [3, 4], [5, 6], [9, 10], [11, 12], [13, 14]]
@@ -71,7 +71,7 @@ def test_pool_windows_by_hand():
 
 def test_pool_needs_held_out_and_fit_windows():
     ctx = SimpleNamespace(splits=Splits([], [Document("cal", numbers(1, 17))], []), tokenizer=WordTokenizer(),
-                          cfg=calibration_seq_len(2))
+                          settings=calibration_seq_len(2))
     with pytest.raises(ValueError, match="every 9th of 8 windows"):
         full_plus_pool(ctx, SimpleNamespace(pool=SimpleNamespace(tokens=16, held_out_every=9)))
 
@@ -81,8 +81,8 @@ def test_longer_windows_cut_the_same_budget_into_fewer_windows():
     of 8 (stride 28); the held-out window of each cut is the last."""
     ctx = SimpleNamespace(splits=Splits([], [Document("cal", numbers(1, 35))], []), tokenizer=WordTokenizer())
     cfg = SimpleNamespace(pool=SimpleNamespace(tokens=16, held_out_every=2))
-    short = full_plus_pool(SimpleNamespace(**vars(ctx), cfg=calibration_seq_len(2)), cfg)
-    long = full_plus_pool(SimpleNamespace(**vars(ctx), cfg=calibration_seq_len(8)), cfg)
+    short = full_plus_pool(SimpleNamespace(**vars(ctx), settings=calibration_seq_len(2)), cfg)
+    long = full_plus_pool(SimpleNamespace(**vars(ctx), settings=calibration_seq_len(8)), cfg)
     assert short.fit.tolist() == [[1, 2], [9, 10], [17, 18], [25, 26]]
     assert short.held_out.tolist() == [[5, 6], [13, 14], [21, 22], [29, 30]]
     assert long.fit.tolist() == [list(range(1, 9))]
