@@ -423,13 +423,27 @@ def _slug(*parts) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", "_".join(str(p) for p in parts)).strip("-")
 
 
-def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
-    """One log-scale PPL-vs-tokens PNG per teacher x policy x ratio x eval set, a line per init."""
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display on a cluster node)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_plot(fig, ax, path: Path) -> Path:
+    """Add the legend, write the PNG atomically and free the figure."""
+    ax.legend()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    pyplot().close(fig)
+    return path
+
+
+def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
+    """One log-scale PPL-vs-tokens PNG per teacher x policy x ratio x eval set, a line per init."""
+    plt = pyplot()
     paths = []
     inits = _init_columns(runs)
     for (teacher, policy, ratio), by_init in _groups(runs, EFFICIENCY_STAGES).items():
@@ -443,23 +457,17 @@ def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
                 ax.axhline(teacher_ppl, color="gray", linestyle="--", label="teacher")
             ax.set(yscale="log", xlabel="tokens seen", ylabel=f"perplexity ({eval_set})",
                    title=f"{teacher} / {policy} / ratio {ratio:g}")
-            ax.legend()
             path = out_dir / f"{_slug('curve', teacher, policy, f'r{ratio:g}', eval_set)}.png"
-            write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-            plt.close(fig)
-            paths.append(path)
+            paths.append(save_plot(fig, ax, path))
     return paths
 
 
 def plot_positions(runs: list[Run], out_dir: Path) -> list[Path]:
     """One PNG of student/teacher perplexity against position (each bucket at its middle, log scale) per
     teacher x policy x ratio x eval set of the zero-shot runs, a line per init."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    plt = pyplot()
     paths = []
     inits = _init_columns(runs)
     for (teacher, policy, ratio), by_init in _groups(runs).items():
@@ -476,11 +484,8 @@ def plot_positions(runs: list[Run], out_dir: Path) -> list[Path]:
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set(yscale="log", xlabel="position in the window (bucket middle)",
                    ylabel=f"student / teacher perplexity ({eval_set})", title=f"{teacher} / {policy} / ratio {ratio:g}")
-            ax.legend()
             path = out_dir / f"{_slug('position', teacher, policy, f'r{ratio:g}', eval_set)}.png"
-            write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-            plt.close(fig)
-            paths.append(path)
+            paths.append(save_plot(fig, ax, path))
     return paths
 
 
