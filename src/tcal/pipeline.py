@@ -31,7 +31,7 @@ from tcal.gdn import kernel_path
 from tcal.record import RESULTS, new_record, read_record, records_failure, write_record
 from tcal.rerun import check_checkpoints
 from tcal.tracking import finish, log_figures, make_logger
-from tcal.training.run import plan_stages, run_stage
+from tcal.training.run import is_mixed, plan_stages, run_stage
 from tcal.validate import validate_config, validate_loaded
 
 log = logging.getLogger(__name__)
@@ -60,11 +60,6 @@ def prepare(cfg, run_dir: Path, timings: dict, ranks: Ranks | None = None) -> Ru
         splits = api.load_data(settings.data)
     return RunContext(settings, teacher.model, teacher.tokenizer, splits, Path(cfg.paths.cache_dir), Path(run_dir),
                       ranks=ranks)
-
-
-def is_mixed(precision) -> bool:
-    """Mixed precision: float32 weights (and optimizer states), reduced-precision compute."""
-    return str(precision).endswith("-mixed")
 
 
 @records_failure

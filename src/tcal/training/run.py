@@ -48,6 +48,11 @@ class StagePlan:
     tokens_per_step: int  # batch_size x seq_len x ranks
 
 
+
+def is_mixed(precision) -> bool:
+    """Mixed precision: float32 weights (and optimizer states), reduced-precision compute."""
+    return str(precision).endswith("-mixed")
+
 def plan_stages(ctx) -> list[StagePlan]:
     """Tokenized, packed training data and step counts for each stage (settings checked by `tcal.validate`);
     fails before conversion when the training split is shorter than one sequence."""
@@ -176,7 +181,7 @@ def unsharded_student(trainer, student, ctx, kind: str):
         return student.to(ctx.device)
     from tcal.hybrid import HybridForCausalLM
 
-    fresh = HybridForCausalLM(student.config).to(torch.float32 if str(ctx.settings.trainer.precision).endswith("-mixed")
+    fresh = HybridForCausalLM(student.config).to(torch.float32 if is_mixed(ctx.settings.trainer.precision)
                                                   else next(ctx.teacher.parameters()).dtype)
     if ctx.ranks.is_main:
         fresh.load_state_dict(student_weights(state))
