@@ -274,3 +274,27 @@ def test_a_damaged_record_is_named_and_the_good_run_reported(tmp_path, capsys):
         f"tcal-report: not read: {tmp_path / 'm' / 'wrong_type' / 'results.json'}: field 'keep_layers': expected a "
         f"list, got '0,2'"]
     assert printed.out.strip() == md.strip()
+
+
+def test_runs_of_one_init_that_differ_in_a_setting_are_told_apart(tmp_path):
+    """Two full_plus runs calibrated on other windows both get a column, named by the setting that differs; a run
+    that differs from one of them only in evaluation or output settings is a duplicate, listed and ignored."""
+    def run(ppl, seq_len, **other):
+        config = {"seed": 0, "calibration": {"seq_len": seq_len, "lr": 0.001}, "eval": {"seq_len": 512},
+                  "paths": {"output_dir": "a"}}
+        for key, value in other.items():
+            config[key] = {**config[key], **value}
+        return _result("uniform", "full_plus", ppl, config=config)
+
+    runs = {"short": run(25.0, 256), "long": run(24.0, 2048),
+            "short_again": run(26.0, 256, eval={"seq_len": 4096}, paths={"output_dir": "b"})}
+    for name, data in runs.items():
+        (tmp_path / "m" / name).mkdir(parents=True)
+        (tmp_path / "m" / name / "results.json").write_text(json.dumps(data))
+    assert main([str(tmp_path / "m"), "--out", str(tmp_path / "r")]) == 0
+    assert _rows(tmp_path / "r" / "zero_shot.csv") == [
+        ["teacher", "policy", "ratio", "eval set", "teacher PPL", "full_plus (calibration.seq_len=256)",
+         "full_plus (calibration.seq_len=2048)"],
+        ["t1", "uniform", "0.5", "shakespeare", "20.00", "25.00", "24.00"]]
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "- `short_again/results.json`: duplicate of" in md and str(tmp_path / "m" / "short" / "results.json") in md

@@ -104,3 +104,27 @@ def test_too_short_length_is_an_error(documents, tokenizer):
 def test_normalization():
     assert normalize_answer(" 1234567.\nThe next") == "1234567"
     assert normalize_answer("B, A, C") == normalize_answer("A, B, C.")
+
+
+def test_a_run_with_ruler_records_teacher_and_student_and_caches_the_teacher(tmp_path, caplog):
+    """`eval/ruler=default` from the command line's config: results.json holds each model's score per length and
+    task; a second run reuses the teacher's figures from the cache."""
+    from conftest import compose, isolated_cache_dir
+
+    from tcal.pipeline import run
+
+    cache = isolated_cache_dir(tmp_path / "cache")
+    overrides = ["experiment=smoke", "init=naive", "eval/ruler=default", "eval.ruler.lengths=[256]",
+                 "eval.ruler.tasks=[niah_single,niah_multikey]", "eval.ruler.n=2", f"paths.cache_dir={cache}",
+                 f"paths.output_dir={tmp_path / 'outputs'}", "save_student=false"]
+    caplog.set_level("INFO", logger="tcal.cache")
+    first = run(compose(*overrides), tmp_path / "first")
+    for role in ("teacher", "student"):
+        assert set(first["ruler"][role]) == {"256"}
+        assert set(first["ruler"][role]["256"]) == {"niah_single", "niah_multikey"}
+        assert all(score in (0.0, 0.5, 1.0) for score in first["ruler"][role]["256"].values())
+    assert any(m.startswith("cache teacher_eval: built ruler-") for m in caplog.messages)
+    caplog.clear()
+    second = run(compose(*overrides, "seed=1"), tmp_path / "second")
+    assert second["ruler"]["teacher"] == first["ruler"]["teacher"]
+    assert any(m.startswith("cache teacher_eval: reused ruler-") for m in caplog.messages)

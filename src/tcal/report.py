@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import fnmatch
 import io
+import json
 import math
 import re
 import sys
@@ -21,7 +23,9 @@ from pathlib import Path
 
 from tcal.evaluate.local_tasks import nlu_average
 from tcal.record import RESULTS, RecordError, load_record
+from tcal.rerun import is_safe
 from tcal.results import write_atomic, write_text_atomic
+from tcal.settings import leaf_items
 from tcal.tracking import finish, log_table, wandb_logger
 
 INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full", "full_plus")
@@ -83,6 +87,8 @@ class Run:
     stage: str = "none"               # the training stages the run ended with (none = zero-shot)
     tokens_trained: int = 0           # tokens seen over all its stages
     by_position: dict[str, list[dict]] = field(default_factory=dict)  # eval set -> buckets (results.json's)
+    config: dict = field(default_factory=dict)  # the recorded settings, {"a.b": value}
+    variant: str = ""                 # the settings that tell it from runs of the same group, init and stage
 
     @property
     def group(self) -> tuple[str, str, float]:
@@ -90,8 +96,10 @@ class Run:
 
     @property
     def init(self) -> str:
-        """The init mode, marked when the conversion used a non-default GQA expansion (`full (row_repeat)`)."""
-        return self.init_mode if self.gqa_expansion == "whole_head" else f"{self.init_mode} ({self.gqa_expansion})"
+        """The init mode, marked with a non-default GQA expansion and with the run's variant settings:
+        `full (row_repeat)`, `full_plus (calibration.seq_len=2048)`."""
+        marks = [mark for mark in (self.gqa_expansion != "whole_head" and self.gqa_expansion, self.variant) if mark]
+        return f"{self.init_mode} ({'; '.join(marks)})" if marks else self.init_mode
 
 
 def load_run(path: Path) -> Run:
@@ -125,6 +133,7 @@ def _normalize(path: Path, data: dict) -> Run:
         by_position={name: [_position_bucket(b) for b in m["by_position"]] for name, m in metrics.items()
                      if m.get("by_position")},
         stage=data["stage"], tokens_trained=sum(r["tokens_seen"] for r in (data.get("stages") or {}).values()),
+        config=leaf_items(data.get("config") or {}),
     )
 
 
@@ -163,29 +172,53 @@ class Collected:
 
 
 def collect(folder: Path) -> Collected:
-    """Every results.json below `folder`, sorted out; of two runs of the same group, init and stage the second is
-    listed as incomplete."""
-    found, seen = Collected(), {}
+    """Every results.json below `folder`, sorted out. Runs of the same group, init and stage that differ in a
+    setting that changes the student (a sweep over `calibration.seq_len`, say) each get those settings as their
+    variant; of two that differ in none, the second is listed as incomplete."""
+    found, usable = Collected(), []
     for path in sorted(Path(folder).rglob(RESULTS)):
         try:
-            run = load_run(path)
+            usable.append(load_run(path))
         except RecordError as err:
             found.damaged.append(err)
-            continue
         except FailedRun as err:
             found.failed.append((path, str(err)))
-            continue
         except IncompleteRun as err:
             found.incomplete.append((path, str(err)))
-            continue
+    alike: dict[tuple, list[Run]] = {}
+    for run in usable:
+        alike.setdefault((run.group, run.init, run.stage), []).append(run)
+    for runs in alike.values():
+        _name_variants(runs)
+    seen = {}
+    for run in usable:
         key = (run.group, run.init, run.stage)
         if key in seen:
-            found.incomplete.append((path, f"duplicate of {seen[key]} (same teacher, policy, ratio, init, stage); "
-                                           f"ignored"))
+            found.incomplete.append((run.path, f"duplicate of {seen[key]} (same teacher, policy, ratio, init, stage "
+                                               f"and student settings); ignored"))
             continue
-        seen[key] = path
+        seen[key] = run.path
         found.runs.append(run)
     return found
+
+
+EVAL_ONLY = ("eval.*", "data.eval_files")  # settings that change the figures' data, not the student
+
+
+def _name_variants(runs: list[Run]) -> None:
+    """Set each run's variant to its values of the settings that differ among `runs` (safe-on-resume and
+    evaluation-only settings aside), so no run of a sweep over such a setting hides another in the tables."""
+    if len(runs) < 2:
+        return
+    keys = sorted({key for run in runs for key in run.config})
+    differing = [key for key in keys if not is_safe(key) and not any(fnmatch.fnmatchcase(key, p) for p in EVAL_ONLY)
+                 and len({json.dumps(run.config.get(key), sort_keys=True) for run in runs}) > 1]
+    for run in runs:
+        run.variant = ", ".join(f"{key}={_setting(run.config.get(key))}" for key in differing)
+
+
+def _setting(value) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) or value is None else str(value)
 
 
 # --- tables ---
@@ -216,8 +249,13 @@ def _init_columns(runs: list[Run]) -> list[str]:
     """Whole-head inits in INIT_ORDER, then each other GQA expansion's inits in the same order."""
     def order(run: Run):
         mode = run.init_mode
-        return run.gqa_expansion != "whole_head", run.gqa_expansion, _rank(mode, INIT_ORDER), mode
+        return run.gqa_expansion != "whole_head", run.gqa_expansion, _rank(mode, INIT_ORDER), mode, _natural(run.init)
     return list(dict.fromkeys(run.init for run in sorted(runs, key=order)))
+
+
+def _natural(text: str) -> list:
+    """Sort key reading digit runs as numbers: `seq_len=256` before `seq_len=2048`."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", text)]
 
 
 def _eval_sets(by_init: dict[str, Run]) -> list[str]:

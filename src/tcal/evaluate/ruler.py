@@ -10,6 +10,7 @@ import random
 import string
 
 import torch
+from tqdm.auto import tqdm
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
@@ -141,20 +142,26 @@ def normalize_answer(text: str) -> str:
 
 
 def score_ruler(model, tokenizer, documents: list[str], lengths=DEFAULT_LENGTHS, tasks=TASKS, n: int = 20,
-                seed: int = 0, max_new_tokens: int | None = None) -> dict[str, dict[str, float]]:
+                seed: int = 0, max_new_tokens: int | None = None, desc: str | None = None
+                ) -> dict[str, dict[str, float]]:
     """Exact-match accuracy of greedy generation: {str(length): {task: score}}.
 
-    Without `max_new_tokens`, each example may generate its answer's token count plus 8.
+    Without `max_new_tokens`, each example may generate its answer's token count plus 8. With `desc`, a progress
+    bar counts the examples.
     """
     device = getattr(model, "device", "cpu")
     scores: dict[str, dict[str, float]] = {}
-    for length in lengths:
-        scores[str(length)] = {}
-        for task in tasks:
-            examples = make_ruler_examples(documents, tokenizer, length, task, n, seed)
-            hits = [_generate(model, tokenizer, ex, device, max_new_tokens) == normalize_answer(ex["answer"])
-                    for ex in examples]
-            scores[str(length)][task] = sum(hits) / len(hits) if hits else float("nan")
+    with tqdm(total=len(lengths) * len(tasks) * n, desc=desc, disable=desc is None, unit="example") as bar:
+        for length in lengths:
+            scores[str(length)] = {}
+            for task in tasks:
+                bar.set_postfix_str(f"{task} @ {length}")
+                hits = []
+                for example in make_ruler_examples(documents, tokenizer, length, task, n, seed):
+                    hits.append(_generate(model, tokenizer, example, device, max_new_tokens)
+                                == normalize_answer(example["answer"]))
+                    bar.update()
+                scores[str(length)][task] = sum(hits) / len(hits) if hits else float("nan")
     return scores
 
 

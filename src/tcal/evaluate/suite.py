@@ -118,11 +118,13 @@ def ruler(ctx, student) -> dict | None:
         return None
     docs = [d.text for d in ctx.splits.evaluation]
 
-    def run(model):
-        return score_ruler(model, ctx.tokenizer, docs, tuple(cfg.lengths), tuple(cfg.tasks), int(cfg.n), int(cfg.seed))
+    def run(model, role):
+        return score_ruler(model, ctx.tokenizer, docs, tuple(cfg.lengths), tuple(cfg.tasks), int(cfg.n), int(cfg.seed),
+                           desc=f"RULER {role}")
 
     settings = {**plain(cfg), "docs": _docs_digest(ctx.splits.evaluation)}
-    return {"teacher": cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher)), "student": run(student)}
+    return {"teacher": cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher, "teacher")),
+            "student": run(student, "student")}
 
 
 def evaluate(ctx, student) -> dict:
