@@ -48,6 +48,14 @@ CASES = [
     (["eval.position_buckets=[16,32]"], r"eval.position_buckets=\[16, 32\]; expected null or increasing integers "
                                         r"from 0, each below eval.seq_len=64"),
     (["eval.position_buckets=[0,32,64]"], r"eval.position_buckets=\[0, 32, 64\]; expected null or increasing"),
+    (["eval/ruler=default", "eval.ruler.tasks=[niah_single,needle]"],
+     r"eval.ruler.tasks entry='needle'; expected one of niah_single, niah_multikey"),
+    (["eval/ruler=default", "eval.ruler.lengths=[512,0]"], r"eval.ruler.lengths entry=0; expected a positive integer"),
+    (["eval/ruler=default", "eval.ruler.tasks=[]"], r"eval.ruler.lengths=\[.*\], eval.ruler.tasks=\[\]; expected at "
+                                                    r"least one of each"),
+    (["eval/ruler=default", "eval.ruler.lengths=[96,512]", "eval.ruler.tasks=[niah_multikey]"],
+     r"eval.ruler.lengths=\[96, 512\]: niah_multikey at length 96: the needles and question \(\d+ tokens\) leave "
+     r"no room for haystack text; raise the shortest length"),
     (["calibration.batch_size=64", "calibration.seq_len=2048"],
      r"calibration.batch_size=64 windows of calibration.seq_len=2048 .* need 260096 tokens, but the calibration "
      r"split has \d+"),

@@ -28,6 +28,8 @@ from tcal.calibration.pool import pool_windows
 from tcal.convert import GQA_EXPANSIONS, validate_keep_layers
 from tcal.data import SOURCES, check_dataset_reachable, token_stream
 from tcal.errors import ConfigError
+from tcal.evaluate.ruler import TASKS as RULER_TASKS
+from tcal.evaluate.ruler import make_ruler_examples
 from tcal.hub import hub_model_cached, hub_offline, looks_local
 from tcal.init import INIT_MODES
 from tcal.retention import POLICIES, num_kept
@@ -246,6 +248,8 @@ def check_eval(cfg) -> None:
     window_length("eval.seq_len", ev.seq_len)
     one_of("eval.harness.name", ev.harness.name, HARNESSES)
     one_of("eval.ruler.name", ev.ruler.name, RULERS)
+    if ev.ruler.name != "none":
+        check_ruler(ev.ruler)
     buckets = ev.get("position_buckets")
     if buckets is not None:
         starts = list(buckets) if isinstance(buckets, (list, ListConfig)) else None
@@ -255,6 +259,17 @@ def check_eval(cfg) -> None:
         if not ok:
             raise ConfigError(f"eval.position_buckets={buckets}; expected null or increasing integers from 0, each "
                               f"below eval.seq_len={ev.seq_len} (the first position of each bucket)")
+
+
+def check_ruler(ruler) -> None:
+    if not ruler.lengths or not ruler.tasks:
+        raise ConfigError(f"eval.ruler.lengths={list(ruler.lengths)}, eval.ruler.tasks={list(ruler.tasks)}; expected "
+                          f"at least one of each (or eval/ruler=none)")
+    for length in ruler.lengths:
+        positive_int("eval.ruler.lengths entry", length)
+    for task in ruler.tasks:
+        one_of("eval.ruler.tasks entry", task, RULER_TASKS)
+    positive_int("eval.ruler.n", ruler.n)
 
 
 def check_stages(cfg) -> None:
@@ -451,6 +466,22 @@ def validate_loaded(ctx) -> None:
     cfg, config = OmegaConf.structured(ctx.settings), ctx.teacher.config
     check_teacher_shape(cfg, config.num_hidden_layers, getattr(config, "max_position_embeddings", None))
     check_split_tokens(ctx, cfg)
+    check_ruler_room(ctx, cfg)
+
+
+def check_ruler_room(ctx, cfg) -> None:
+    """The shortest RULER length leaves room for haystack text beside each task's needles and question (the
+    examples are built as the evaluation will build them), so a short length fails now, not after the init."""
+    ruler = cfg.eval.ruler
+    if ruler.name == "none":
+        return
+    docs, shortest = [d.text for d in ctx.splits.evaluation], min(ruler.lengths)
+    for task in ruler.tasks:
+        try:
+            make_ruler_examples(docs, ctx.tokenizer, shortest, task, ruler.n, ruler.seed)
+        except ValueError as err:
+            raise ConfigError(f"eval.ruler.lengths={list(ruler.lengths)}: {err}; raise the shortest length or "
+                              f"drop the task from eval.ruler.tasks") from None
 
 
 def check_split_tokens(ctx, cfg) -> None:
