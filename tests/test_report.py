@@ -277,16 +277,17 @@ def test_a_damaged_record_is_named_and_the_good_run_reported(tmp_path, capsys):
 
 
 def test_runs_of_one_init_that_differ_in_a_setting_are_told_apart(tmp_path):
-    """Two full_plus runs calibrated on other windows both get a column, named by the setting that differs; a run
-    that differs from one of them only in evaluation or output settings is a duplicate, listed and ignored."""
+    """Two full_plus runs calibrated on other windows both get a column, named by the setting that differs (a
+    setting only the newer record holds does not count); a run that differs from one of them only in evaluation or
+    output settings is a duplicate, listed and ignored."""
     def run(ppl, seq_len, **other):
         config = {"seed": 0, "calibration": {"seq_len": seq_len, "lr": 0.001}, "eval": {"seq_len": 512},
                   "paths": {"output_dir": "a"}}
         for key, value in other.items():
-            config[key] = {**config[key], **value}
+            config[key] = {**config.get(key, {}), **value}
         return _result("uniform", "full_plus", ppl, config=config)
 
-    runs = {"short": run(25.0, 256), "long": run(24.0, 2048),
+    runs = {"short": run(25.0, 256), "long": run(24.0, 2048, teacher={"trust_remote_code": False}),
             "short_again": run(26.0, 256, eval={"seq_len": 4096}, paths={"output_dir": "b"})}
     for name, data in runs.items():
         (tmp_path / "m" / name).mkdir(parents=True)

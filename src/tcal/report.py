@@ -207,10 +207,11 @@ EVAL_ONLY = ("eval.*", "data.eval_files")  # settings that change the figures' d
 
 def _name_variants(runs: list[Run]) -> None:
     """Set each run's variant to its values of the settings that differ among `runs` (safe-on-resume and
-    evaluation-only settings aside), so no run of a sweep over such a setting hides another in the tables."""
+    evaluation-only settings aside), so no run of a sweep over such a setting hides another in the tables. Only
+    settings all of them recorded count: a record older than a setting holds no value for it."""
     if len(runs) < 2:
         return
-    keys = sorted({key for run in runs for key in run.config})
+    keys = sorted(set.intersection(*(set(run.config) for run in runs)))
     differing = [key for key in keys if not is_safe(key) and not any(fnmatch.fnmatchcase(key, p) for p in EVAL_ONLY)
                  and len({json.dumps(run.config.get(key), sort_keys=True) for run in runs}) > 1]
     for run in runs:
