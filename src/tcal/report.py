@@ -473,9 +473,10 @@ def pyplot():
 
 
 def save_plot(fig, ax, path: Path) -> Path:
-    """Add the legend, write the PNG atomically and free the figure."""
-    ax.legend()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    """Add the legend below the axes (labels of run variants are long; it never hides a line), write the PNG
+    atomically and free the figure."""
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize="small", frameon=False)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight"))
     pyplot().close(fig)
     return path
 
