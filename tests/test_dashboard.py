@@ -102,6 +102,11 @@ def test_sections_split_by_teacher_policy_ratio_and_skip_cached_stages(tiny_swee
         ["distill/ppl/shakespeare"]]
     assert [s["grids"][0]["inits"] for s in spec["sections"]] == [["naive"], list(INITS), ["naive"]]
 
+    seq_len = [dataclasses.replace(m, run=dataclasses.replace(m.run, variant_keys=("calibration.seq_len",)))
+               for m in logged]  # runs of one init that differ in a setting: W&B groups by it too
+    [grid] = dashboard_spec(seq_len, "e", "p", "t")["sections"][0]["grids"]
+    assert grid["group_by"] == ["init.name", "calibration.seq_len"]
+
     on_wandb = [dataclasses.replace(m, logger="wandb", project=project) for m, project in zip(logged, ("p", "q"))]
     assert dashboard.logging_notes(on_wandb, "p") == ["some runs logged to W&B project 'q', not 'p'"]
 

@@ -77,9 +77,11 @@ def _line_panels(members: list[LoggedRun]) -> list[dict]:
 
 
 def _grid(members: list[LoggedRun]) -> dict:
-    """The panel grid of the runs sharing one set of selectors: filtered to them, grouped by init."""
+    """The panel grid of the runs sharing one set of selectors: filtered to them, grouped by init, and by the
+    settings that tell runs of one init apart (`Run.variant_keys`), so W&B never averages two variants."""
     inits = sorted({m.run.init_mode for m in members}, key=lambda mode: (_rank(mode, INIT_ORDER), mode))
     group_by = [INIT_KEY] + ([GQA_KEY] if any(m.run.gqa_expansion != "whole_head" for m in members) else [])
+    group_by += sorted({key for m in members for key in m.run.variant_keys} - set(group_by))
     return {"name": f"stage {members[0].selectors['stage.name']}", "filters": dict(members[0].selectors),
             "group_by": group_by, "inits": inits, "panels": _line_panels(members)}
 

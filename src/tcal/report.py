@@ -89,6 +89,7 @@ class Run:
     by_position: dict[str, list[dict]] = field(default_factory=dict)  # eval set -> buckets (results.json's)
     config: dict = field(default_factory=dict)  # the recorded settings, {"a.b": value}
     variant: str = ""                 # the settings that tell it from runs of the same group, init and stage
+    variant_keys: tuple[str, ...] = ()  # their keys ("calibration.seq_len", ...)
 
     @property
     def group(self) -> tuple[str, str, float]:
@@ -216,6 +217,7 @@ def _name_variants(runs: list[Run]) -> None:
                  and len({json.dumps(run.config.get(key), sort_keys=True) for run in runs}) > 1]
     for run in runs:
         run.variant = ", ".join(f"{key}={_setting(run.config.get(key))}" for key in differing)
+        run.variant_keys = tuple(differing)
 
 
 def _setting(value) -> str:
