@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tcal.evaluate.local_tasks import nlu_average
 from tcal.record import RESULTS, RecordError, load_record
-from tcal.rerun import is_safe
+from tcal.rerun import differing_keys
 from tcal.results import write_atomic, write_text_atomic
 from tcal.settings import leaf_items
 from tcal.tracking import finish, log_table, wandb_logger
@@ -212,9 +212,9 @@ def _name_variants(runs: list[Run]) -> None:
     settings all of them recorded count: a record older than a setting holds no value for it."""
     if len(runs) < 2:
         return
-    keys = sorted(set.intersection(*(set(run.config) for run in runs)))
-    differing = [key for key in keys if not is_safe(key) and not any(fnmatch.fnmatchcase(key, p) for p in EVAL_ONLY)
-                 and len({json.dumps(run.config.get(key), sort_keys=True) for run in runs}) > 1]
+    common = set.intersection(*(set(run.config) for run in runs))
+    differing = sorted({key for run in runs[1:] for key, _, _ in differing_keys(runs[0].config, run.config, common)
+                        if not any(fnmatch.fnmatchcase(key, pattern) for pattern in EVAL_ONLY)})
     for run in runs:
         run.variant = ", ".join(f"{key}={_setting(run.config.get(key))}" for key in differing)
         run.variant_keys = tuple(differing)
