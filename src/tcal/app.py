@@ -58,19 +58,26 @@ def earlier_run(cfg, run_dir: Path) -> str:
 
 
 def run_in(cfg, run_dir: Path, ranks=None) -> None:
-    """Run `cfg` in `run_dir`: skip it when already complete there, continue it when unfinished (rank 0 decides
-    for all ranks, before any of them writes)."""
-    from tcal.distributed import Ranks
-    from tcal.pipeline import run
-    ranks = ranks or Ranks()
-    earlier = ranks.broadcast(earlier_run(cfg, run_dir) if ranks.is_main else None)
+    """Run `cfg` in `run_dir`: skip it when already complete there, continue it when unfinished. The decision is
+    taken once, before any rank writes: here, before this process starts the job's ranks (`tcal.rank`), or by
+    rank 0 for all when the ranks were started from outside (SLURM)."""
+    from tcal.distributed import launch, starts_ranks
+    starts = ranks is None and starts_ranks(cfg.trainer)
+    if not starts:
+        ranks = ranks or launch(cfg.trainer)
+    earlier = earlier_run(cfg, run_dir) if starts else ranks.decide(lambda: earlier_run(cfg, run_dir))
     if earlier == "complete":
         print(f"tcal: {run_dir} already holds this run, complete; nothing to do "
               f"(results: {Path(run_dir) / 'results.json'})", flush=True)
         return
     if earlier == "unfinished":
         print(f"tcal: {run_dir} holds this run, unfinished; continuing it", flush=True)
-    run(cfg, run_dir, resume=earlier == "unfinished", ranks=ranks)
+    if starts:
+        from tcal.rank import run_ranks
+        run_ranks(cfg, run_dir, resume=earlier == "unfinished")
+    else:
+        from tcal.pipeline import run
+        run(cfg, run_dir, resume=earlier == "unfinished", ranks=ranks)
 
 
 def chosen_options(override) -> list[str]:
@@ -113,25 +120,25 @@ def config_error_exit(err: Exception) -> None:
 
 
 def run_failed_exit(err: Exception, run_dir: Path) -> None:
-    """A named failure of the run (divergence): one line, the record's path, exit code 1."""
+    """A named failure of the run (divergence, a failed rank): one line, the record's path, exit code 1."""
     print(f"tcal: run failed: {err} (record: {Path(run_dir) / 'results.json'})", file=sys.stderr, flush=True)
     sys.exit(1)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_main(cfg) -> None:
-    from tcal.distributed import launch
+    from tcal.rank import RankFailed
     from tcal.validate import validate_config
     run_dir = Path(cfg.resume or HydraConfig.get().runtime.output_dir)
     try:
         with sweep_job(cfg, run_dir):
             if cfg.get("resume"):
                 cfg = resumed_config(run_dir, cfg, HydraConfig.get().overrides.task)
-            validate_config(cfg)  # before any process is launched
-            run_in(cfg, run_dir, launch(cfg.trainer))
+            validate_config(cfg)  # before any rank starts
+            run_in(cfg, run_dir)
     except ConfigError as err:
         config_error_exit(err)
-    except Divergence as err:
+    except (Divergence, RankFailed) as err:
         run_failed_exit(err, run_dir)
 
 

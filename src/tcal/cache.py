@@ -18,7 +18,8 @@ Every entry gets the same guarantees:
 Several ranks of one run (`tcal.distributed`) build an entry together (the build may use collectives), so no
 rank may wait in a lock while the others sit in a collective: rank 0 reads and decides for all, takes the
 keys' locks without waiting, and writes what was built; a key whose lock another job holds is built here too
-(both write the same whole file).
+(both write the same whole file). Each of these steps is shared (`Ranks.decide`, `Ranks.together`): a read
+or a write that fails on one rank stops every rank with its error.
 """
 
 from __future__ import annotations
@@ -250,7 +251,8 @@ def _collective(store: Store[T], keys: dict[K, str], build_some, ranks: Ranks) -
     """Several ranks: rank 0's reading decides, the missing entries are built by all ranks together while rank 0
     holds the locks it could take without waiting, and rank 0 writes them."""
     found: dict[K, T] = {}
-    if ranks.is_main:
+
+    def read_on_main() -> list[K]:
         for item, key in keys.items():
             value, why = store.read(key)
             if value is not None:
@@ -258,24 +260,31 @@ def _collective(store: Store[T], keys: dict[K, str], build_some, ranks: Ranks) -
                 found[item] = value
             elif why is not None:
                 store.damaged(key, why)
-    present = ranks.broadcast(list(found))
-    if not ranks.is_main:
-        found = {item: _read_present(store, keys[item]) for item in present}
+        return list(found)
+
+    present = ranks.decide(read_on_main)
+    with ranks.together():
+        if not ranks.is_main:
+            found.update({item: _read_present(store, keys[item]) for item in present})
     missing = [item for item in keys if item not in found]
     if not missing:
         return {item: found[item] for item in keys}
     with contextlib.ExitStack() as held:
-        if ranks.is_main:
-            for item in missing:
-                if not held.enter_context(key_lock(store.path(keys[item]), wait=False)):
-                    log.info("cache %s: %s is being built by another job; the ranks build it too", store.kind,
-                             keys[item])
-        built = {}
-        for item, value in built_pairs(build_some(missing)):
+        with ranks.together():
             if ranks.is_main:
-                store.write(keys[item], value)
+                for item in missing:
+                    if not held.enter_context(key_lock(store.path(keys[item]), wait=False)):
+                        log.info("cache %s: %s is being built by another job; the ranks build it too", store.kind,
+                                 keys[item])
+        built, write_error = {}, None
+        for item, value in built_pairs(build_some(missing)):
+            if ranks.is_main and write_error is None:
+                try:
+                    store.write(keys[item], value)
+                except Exception as err:  # noqa: BLE001 - shared below: every rank stops with it
+                    write_error = err
             built[item] = value
-        ranks.barrier()
+        ranks.share_outcome(write_error)
     found.update(built)
     return {item: found[item] for item in keys}
 

@@ -68,15 +68,17 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
     """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint. `ranks`: this
     process's place among the run's launched processes (`tcal.distributed.launch`); None is one process."""
     run_dir = Path(run_dir)
-    validate_config(cfg)
-    if resume:
-        check_checkpoints(run_dir)  # a damaged one is named before any work
-    timings: dict[str, float] = {}
-    ctx = prepare(cfg, run_dir, timings, ranks)
-    validate_loaded(ctx)
-    ctx.extra_callbacks = list(callbacks or [])
-    with timed(timings, "load_training_data"):
-        plans = plan_stages(ctx)
+    ranks = ranks or Ranks()
+    with ranks.together():  # a refusal or a failed load on any rank stops every rank with the same error
+        validate_config(cfg)
+        if resume:
+            check_checkpoints(run_dir)  # a damaged one is named before any work
+        timings: dict[str, float] = {}
+        ctx = prepare(cfg, run_dir, timings, ranks)
+        validate_loaded(ctx)
+        ctx.extra_callbacks = list(callbacks or [])
+        with timed(timings, "load_training_data"):
+            plans = plan_stages(ctx)
     writer = ctx.ranks.is_main
     settings = ctx.settings
     teacher = api.Teacher(ctx.teacher, ctx.tokenizer, settings.teacher)

@@ -34,15 +34,19 @@ def record_job_failure(cfg, run_dir: Path, err: Exception) -> None:
     """The failed job's record in its folder (when it has none yet), its log, and its line in the sweep's list."""
     from hydra.core.hydra_config import HydraConfig
 
+    from tcal.distributed import is_rank_zero
     from tcal.errors import ConfigError, Divergence
+    from tcal.rank import RankFailed
     from tcal.record import RESULTS, describe, record_failure
 
     if not (Path(run_dir) / RESULTS).exists():
         record_failure(run_dir, err, cfg, create=True)
-    if isinstance(err, (ConfigError, Divergence)):
+    if isinstance(err, (ConfigError, Divergence, RankFailed)):  # a failed rank logged its own traceback
         log.error("job failed: %s", describe(err))
     else:
         log.exception("job failed: %s", describe(err))
+    if not is_rank_zero():  # ranks started from outside (SLURM tasks) run the job each: rank 0 lists it
+        return
     hydra = HydraConfig.get()
     line = {"job": hydra.job.num, "overrides": list(hydra.overrides.task), "folder": str(run_dir),
             "error": describe(err)}

@@ -136,7 +136,8 @@ def calibrate_split(todo: list[int], gdns: dict[int, GatedDeltaNet], ranks: Rank
         return
     mine = ranks.share(todo)
     log.info("rank %d of %d calibrates layers %s (of %s)", ranks.rank, ranks.world_size, mine, todo)
-    built = {i: {**r, "rank": ranks.rank} for i, r in (calibrate_some(mine) if mine else [])}
+    with ranks.together():  # a layer that fails (a divergence in Phase 2) stops every rank with its error
+        built = {i: {**r, "rank": ranks.rank} for i, r in (calibrate_some(mine) if mine else [])}
     for position, i in enumerate(todo):
         ranks.broadcast_module(gdns[i], src=ranks.owner(position))
     yield from sorted(ranks.merge(built).items())

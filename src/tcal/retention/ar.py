@@ -44,9 +44,11 @@ def bypass_perplexities(teacher, windows: torch.Tensor, batch_size: int, ranks: 
     share of the layers; every rank gets all scores)."""
     ranks = ranks or Ranks()
     scores = {}
-    for i in tqdm(ranks.share(range(teacher.config.num_hidden_layers)), desc="retention ar: bypass ppl", unit="layer"):
-        with attention_bypassed(teacher, i):
-            scores[i] = perplexity(teacher, windows, batch_size)
+    with ranks.together():
+        for i in tqdm(ranks.share(range(teacher.config.num_hidden_layers)), desc="retention ar: bypass ppl",
+                      unit="layer"):
+            with attention_bypassed(teacher, i):
+                scores[i] = perplexity(teacher, windows, batch_size)
     return ranks.merge(scores)
 
 

@@ -65,13 +65,14 @@ def probe_perplexities(ctx, gdns: dict, windows: torch.Tensor, batch_size: int) 
     """Layer -> its probe's perplexity; each rank evaluates its share of the probes, every rank gets all."""
     mine = set(ctx.ranks.share(range(len(gdns))))
     scores = {}
-    parts = probes(ctx.teacher, gdns, ctx.settings.init.gqa_expansion, int(ctx.settings.seed))
-    bar = tqdm(total=len(mine), desc=f"retention ga_s2 ({ctx.settings.init.name}): probe ppl", unit="layer")
-    for i, probe in parts:
-        if i in mine:
-            scores[i] = perplexity(probe, windows, batch_size)
-            bar.update(1)
-    bar.close()
+    with ctx.ranks.together():
+        parts = probes(ctx.teacher, gdns, ctx.settings.init.gqa_expansion, int(ctx.settings.seed))
+        bar = tqdm(total=len(mine), desc=f"retention ga_s2 ({ctx.settings.init.name}): probe ppl", unit="layer")
+        for i, probe in parts:
+            if i in mine:
+                scores[i] = perplexity(probe, windows, batch_size)
+                bar.update(1)
+        bar.close()
     return ctx.ranks.merge(scores)
 
 

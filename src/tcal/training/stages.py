@@ -120,9 +120,18 @@ class StageModule(PerplexityValidation):
         self.tokens_seen += int(self.trainer.strategy.reduce(local, reduce_op="sum").item())
         return self.tokens_seen
 
-    def check_finite(self, loss: torch.Tensor, what: str = "loss") -> None:
-        check_finite(loss, lambda value: Divergence.in_stage(self.kind, what, value, self.global_step,
-                                                             self.tokens_seen))
+    def check_finite(self, losses: dict[str, torch.Tensor]) -> None:
+        """Raise a Divergence naming the first non-finite loss of `losses` ({what: one-element tensor}). With
+        several ranks every rank's losses are gathered first, so a non-finite loss on any rank stops every rank
+        with the same error (the lowest such rank's first), and none is left waiting in the next step's
+        gradient reduction."""
+        values = torch.stack([loss.detach().float().reshape(()) for loss in losses.values()])
+        if self._trainer is not None and self.trainer.world_size > 1:
+            values = self.all_gather(values)
+        for row in values.reshape(-1, len(losses)).tolist():
+            for what, value in zip(losses, row):
+                check_finite(value, lambda value, what=what: Divergence.in_stage(
+                    self.kind, what, value, self.global_step, self.tokens_seen))
 
     def log_step(self, loss: torch.Tensor, extra: dict) -> None:
         """Loss, extras, tokens_seen (also the logger's step) and throughput, on the progress bar too."""
@@ -214,7 +223,7 @@ class AlignStage(StageModule):
         losses = {}
         for i in self.gdn_layers:
             losses[i] = alignment_loss(self.student.gdn(i), *io[i])
-            self.check_finite(losses[i], f"alignment loss of layer {i}")
+        self.check_finite({f"alignment loss of layer {i}": loss for i, loss in losses.items()})
         return torch.stack(list(losses.values())).mean(), {f"layer_{i}": v.detach() for i, v in losses.items()}
 
 
@@ -244,7 +253,7 @@ class DistillStage(StageModule):
         loss, parts = chunked_kd_loss(student_hidden, teacher_hidden, self.student.get_output_embeddings(),
                                       self.teacher.get_output_embeddings(), batch,
                                       chunk_size=int(self.cfg.kl_chunk_size), ce_weight=float(self.cfg.ce_weight))
-        self.check_finite(loss)
+        self.check_finite({"loss": loss})
         return loss, parts
 
 

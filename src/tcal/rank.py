@@ -1,0 +1,234 @@
+"""The ranks of one job: started by the job's own process, one fresh set per job (`python -m tcal.rank SPEC`).
+
+A multi-device run that nothing else started ranks for (`tcal.distributed.starts_ranks`) runs like this: the
+job's process (a `tcal` run, or one job of `tcal -m`) validates the config and decides what its folder holds,
+once; then `run_ranks` writes the resolved config to a scratch file and starts one process per local device,
+each given RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK and MASTER_ADDR/MASTER_PORT (a free port per job on one
+node). Lightning's default environment sees LOCAL_RANK and treats them as started from outside: it never
+relaunches the command, so a sweep runs once, in one sweep folder, with one folder per job.
+
+The job's process waits for its ranks. When one fails, the others get `STOP_GRACE_S` to stop on their own
+(a shared decision makes every rank raise the same error at once, `tcal.distributed`); those still running
+after that (waiting in a collective on the failed rank) are stopped. The ranks' failure becomes the job's:
+the error a rank reported (a ConfigError, exit code 2; a Divergence; any other error as `RankFailed`), or
+how the first rank to fail died. The next job starts fresh processes and a fresh process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0  # how long the other ranks get to stop on their own once one rank failed
+KILL_AFTER_S = 10.0  # how long a stopped rank (SIGTERM) gets before SIGKILL
+POLL_S = 0.1
+
+
+class RankFailed(RuntimeError):
+    """A rank of the job failed with an error other than a configuration error or a divergence, or died."""
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for one job's process group on this node."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def meeting_point(num_nodes: int) -> tuple[str, int, int]:
+    """(address, port, node rank) of the job's process group: this node and a free port on one node; on several
+    nodes (each running `tcal` itself) MASTER_ADDR, MASTER_PORT and NODE_RANK as Lightning reads them."""
+    from tcal.errors import ConfigError
+
+    if num_nodes == 1:
+        return "127.0.0.1", free_port(), 0
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if name not in os.environ]
+    if missing:
+        raise ConfigError(f"trainer.num_nodes={num_nodes} without SLURM or torchrun: {', '.join(missing)} not set; "
+                          f"expected MASTER_ADDR and MASTER_PORT of node 0 and this node's NODE_RANK on every node, "
+                          f"or hydra/launcher=slurm_gpu")
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["NODE_RANK"])
+
+
+def job_logging() -> dict | None:
+    """The job's Hydra logging config (console and the job's log file), resolved, for its ranks to use too."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    return {"config": OmegaConf.to_container(hydra.job_logging, resolve=True),
+            "verbose": OmegaConf.to_container(hydra.verbose) if OmegaConf.is_config(hydra.verbose) else hydra.verbose}
+
+
+def run_ranks(cfg, run_dir: Path, resume: bool) -> None:
+    """Run `cfg` in `run_dir` on the trainer's ranks, started here and waited for; raises the ranks' failure
+    (after marking the record failed: the rank that writes it may have been stopped before it could)."""
+    from omegaconf import OmegaConf
+
+    from tcal.distributed import world_size
+    from tcal.errors import ConfigError
+    from tcal.record import describe, record_failure
+
+    world, nodes = world_size(cfg.trainer), int(cfg.trainer.num_nodes)
+    per_node = world // nodes
+    address, port, node = meeting_point(nodes)
+    with tempfile.TemporaryDirectory(prefix="tcal-ranks-") as scratch:
+        spec = Path(scratch) / "job.json"
+        spec.write_text(json.dumps({"config": OmegaConf.to_yaml(cfg, resolve=True), "run_dir": str(run_dir),
+                                    "resume": bool(resume), "logging": job_logging(), "reports": scratch,
+                                    "parent": os.getpid()}), encoding="utf-8")
+        log.info("starting ranks %d-%d of %d (process group at %s:%d)", node * per_node, (node + 1) * per_node - 1,
+                 world, address, port)
+        shared = {**os.environ, "MASTER_ADDR": address, "MASTER_PORT": str(port), "NODE_RANK": str(node),
+                  "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node)}
+        processes: dict[int, subprocess.Popen] = {}
+        try:
+            for local in range(per_node):
+                rank = node * per_node + local
+                env = {**shared, "RANK": str(rank), "LOCAL_RANK": str(local)}
+                processes[rank] = subprocess.Popen([sys.executable, "-m", "tcal.rank", str(spec)], env=env,
+                                                   stdin=subprocess.DEVNULL)
+            failed = wait_for_ranks(processes)
+        finally:
+            stop(processes, [rank for rank, process in processes.items() if process.poll() is None])
+        if not failed:
+            return
+        error = first_error({rank: processes[rank].returncode for rank in failed}, Path(scratch))
+    if not isinstance(error, ConfigError) and record_failure(run_dir, error, cfg) is not None:
+        log.error("run failed: %s (record: %s)", describe(error), Path(run_dir) / "results.json")
+    raise error
+
+
+def wait_for_ranks(processes: dict[int, subprocess.Popen]) -> list[int]:
+    """Wait until every rank ended; the ranks seen failed first (one, or several ended between two looks; their
+    peers stopped `STOP_GRACE_S` later if still running), or [] when all succeeded."""
+    failed: list[int] = []
+    deadline = None
+    while True:
+        codes = {rank: process.poll() for rank, process in processes.items()}
+        if not failed:
+            failed = [rank for rank, code in codes.items() if code not in (None, 0)]
+            if failed:
+                deadline = time.monotonic() + STOP_GRACE_S
+                log.error("rank %s failed (exit code %s)", ", ".join(map(str, failed)),
+                          ", ".join(str(codes[rank]) for rank in failed))
+        running = [rank for rank, code in codes.items() if code is None]
+        if not running:
+            return failed
+        if deadline is not None and time.monotonic() > deadline:
+            log.warning("stopping ranks %s: still running %.0f s after rank %d failed", running, STOP_GRACE_S,
+                        failed[0])
+            stop(processes, running)
+            return failed
+        time.sleep(POLL_S)
+
+
+def stop(processes: dict[int, subprocess.Popen], ranks: list[int]) -> None:
+    """SIGTERM to `ranks`, then SIGKILL to those still running `KILL_AFTER_S` later; waits for all of them."""
+    for rank in ranks:
+        processes[rank].terminate()
+    deadline = time.monotonic() + KILL_AFTER_S
+    for rank in ranks:
+        try:
+            processes[rank].wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            processes[rank].kill()
+            processes[rank].wait()
+
+
+def first_error(codes: dict[int, int], reports: Path) -> Exception:
+    """The error of the rank that failed first among `codes` ({rank: exit code}, seen failed together): one that
+    died without a report (killed) before one that reported, reports by the time of the error."""
+    reported = {rank: json.loads((reports / f"rank_{rank}.json").read_text(encoding="utf-8"))
+                for rank in codes if (reports / f"rank_{rank}.json").is_file()}
+    rank = min(codes, key=lambda rank: (rank in reported, reported.get(rank, {}).get("time", 0.0), rank))
+    return rank_error(rank, codes[rank], reported.get(rank))
+
+
+def rank_error(rank: int, code: int, reported: dict | None) -> Exception:
+    """The error rank `rank` reported (its own type for tcal's errors), or how it died when it reported none."""
+    from tcal import errors
+
+    if reported is not None:
+        kind = getattr(errors, reported["type"], None)
+        if isinstance(kind, type) and issubclass(kind, (errors.ConfigError, errors.Divergence)):
+            return kind(reported["message"])
+        return RankFailed(f"rank {rank}: {reported['type']}: {reported['message']}")
+    if code < 0:
+        return RankFailed(f"rank {rank} was killed by {signal.Signals(-code).name}")
+    return RankFailed(f"rank {rank} exited with code {code} before reporting an error (see its output)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One rank
+
+
+def exit_code(error: Exception) -> int:
+    from tcal.errors import ConfigError
+
+    return 2 if isinstance(error, ConfigError) else 1
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGTERM to this rank when the job's process ends (Linux), so a killed job leaves no rank behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the job's process ended before the call above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def report(folder: Path, rank: int, error: Exception) -> None:
+    from tcal.results import write_json_atomic
+
+    write_json_atomic(folder / f"rank_{rank}.json", {"rank": rank, "type": type(error).__name__,
+                                                     "message": str(error), "time": time.time()})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One rank of a job: join the job's process group, run the job's config, report a failure to the job."""
+    from hydra.core.utils import configure_log
+    from omegaconf import OmegaConf
+
+    from tcal.distributed import launch
+    from tcal.errors import ConfigError, Divergence
+    from tcal.record import describe
+
+    spec = json.loads(Path((argv if argv is not None else sys.argv[1:])[0]).read_text(encoding="utf-8"))
+    die_with_parent(int(spec["parent"]))
+    logging_spec = spec["logging"] or {}
+    configure_log(OmegaConf.create(logging_spec["config"]) if logging_spec else None,
+                  logging_spec.get("verbose", False))
+    cfg = OmegaConf.create(spec["config"])
+    OmegaConf.set_struct(cfg, True)  # as Hydra composes it: a misspelt key is an error, not None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        from tcal.pipeline import run
+
+        run(cfg, Path(spec["run_dir"]), resume=bool(spec["resume"]), ranks=launch(cfg.trainer))
+    except Exception as err:  # noqa: BLE001 - reported to the job's process, which decides what the job did
+        report(Path(spec["reports"]), rank, err)
+        if isinstance(err, (ConfigError, Divergence)):
+            log.error("rank %d of %d stops: %s", rank, world, describe(err))
+        else:
+            log.exception("rank %d of %d stops: %s", rank, world, describe(err))
+        sys.exit(exit_code(err))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Test-only faults in the processes a test starts: a test puts this folder on PYTHONPATH (Python imports
+`sitecustomize` at start-up) and describes one fault in $TCAL_TEST_FAULT, as JSON:
+
+    {"call": "tcal.api:build_student", "rank": 1, "when": {"seed": 1}, "raise": "RuntimeError", "message": "..."}
+
+In the process whose $RANK is `rank` (one of the ranks a job starts; the job's own process has no $RANK), the
+function `call` is replaced by one that raises `raise` (a builtin exception or one of `tcal.errors`) with
+`message` when its arguments match `when` (argument name, or a dotted path into an argument such as
+"cfg.seed", -> value), and otherwise calls the original. Nothing is changed where $TCAL_TEST_FAULT is unset.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import importlib
+import inspect
+import json
+import os
+
+
+def _matches(bound: inspect.BoundArguments, when: dict) -> bool:
+    for path, expected in when.items():
+        name, *attributes = path.split(".")
+        value = bound.arguments[name]
+        for attribute in attributes:
+            value = getattr(value, attribute)
+        if value != expected:
+            return False
+    return True
+
+
+def _install(fault: dict) -> None:
+    if os.environ.get("RANK") != str(fault["rank"]):
+        return
+    module_name, function_name = fault["call"].split(":")
+    module = importlib.import_module(module_name)
+    original = getattr(module, function_name)
+    signature = inspect.signature(original)
+    errors = importlib.import_module("tcal.errors")
+    error = getattr(builtins, fault["raise"], None) or getattr(errors, fault["raise"])
+
+    @functools.wraps(original)
+    def faulty(*args, **kwargs):
+        if _matches(signature.bind(*args, **kwargs), fault.get("when", {})):
+            raise error(fault["message"])
+        return original(*args, **kwargs)
+
+    setattr(module, function_name, faulty)
+
+
+if os.environ.get("TCAL_TEST_FAULT"):
+    _install(json.loads(os.environ["TCAL_TEST_FAULT"]))
