@@ -398,7 +398,6 @@ class TrainerSettings:
     devices: Any = 1  # a count, a list of device ids, -1 or "auto"
     num_nodes: int = 1
     strategy: str = "auto"
-    stage_strategy: Dict[str, str] = field(default_factory=dict)  # per-stage strategy, e.g. {align: ddp}
     precision: str = "32-true"
     deterministic: bool = False
 

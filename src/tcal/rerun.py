@@ -112,14 +112,13 @@ def resume_config(run_dir: Path, recorded, cfg, defaults, overrides: list[str]):
 
 def checkpoint_progress(path: Path) -> dict:
     """{"step", "tokens_seen"} of a stage checkpoint (read lazily); DamagedCheckpoint naming it when it cannot
-    be read. A sharded checkpoint (a folder, DeepSpeed) is not opened here: {}."""
+    be read. A sharded checkpoint (`trainer=fsdp`) is a folder: its progress is in its `meta.pt`."""
     path = Path(path)
-    if path.is_dir():
-        return {}
     import torch
 
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint = (torch.load(path / "meta.pt", map_location="cpu", weights_only=True) if path.is_dir() else
+                      torch.load(path, map_location="cpu", weights_only=True, mmap=True))
         return {"step": int(checkpoint["global_step"]), "tokens_seen": int(checkpoint["tcal"]["tokens_seen"])}
     except Exception as err:  # noqa: BLE001 - whatever fails, the file is not a checkpoint of ours
         cause = " ".join(str(err).split()).split(". ")[0][:200]

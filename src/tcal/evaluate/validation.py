@@ -40,6 +40,13 @@ def eval_dataloaders(eval_windows: dict[str, torch.Tensor], batch_size: int, ran
             for windows in eval_windows.values()]
 
 
+def is_sharded(module: torch.nn.Module) -> bool:
+    """An FSDP2 (`fully_shard`) module: its parameters are shards between forwards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def _ppl(nll: float, tokens: float) -> float:
     return math.exp(nll / tokens) if tokens else float("nan")
 
@@ -69,7 +76,12 @@ class PerplexityValidation(L.LightningModule):
 
     def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         windows, weights = batch
-        nll = token_nll(self.evaluated(), windows)
+        model = self.evaluated()
+        if is_sharded(model):  # token_nll may call the decoder and the head apart: gather the root's weights
+            model.unshard()
+        nll = token_nll(model, windows)
+        if is_sharded(model):
+            model.reshard()
         total, count = nll_sums(nll, weights)
         self._nll_sums[dataloader_idx, 0] += total
         self._nll_sums[dataloader_idx, 1] += count

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,13 +19,14 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from tcal.cache import Codec, get_or_build, tensor_codec
 from tcal.config import TrainerSettings, stages_of
 from tcal.data import eval_sets, token_windows
 from tcal.distributed import world_size
 from tcal.evaluate.validation import eval_dataloaders
-from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
+from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes, weights_digest
 from tcal.record import is_stage_record
 from tcal.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
@@ -105,14 +107,72 @@ def stage1_codec(student) -> Codec[tuple[dict, object]]:
     return tensor_codec(lambda done: (gdn_state(done[1]), done[0]), decode)
 
 
+class ShardedStrategy(ModelParallelStrategy):
+    """`trainer.strategy=fsdp`: FSDP2 (`fully_shard`) over every rank, no tensor parallelism. The stage module's
+    `configure_model` shards the student (`tcal.training.stages.shard_student`); the teacher stays outside it.
+
+    Its checkpoint is a folder (each rank writes its shards, rank 0 the metadata). A save writes a sibling
+    `<name>.partial` folder first and moves it into place only when every rank has finished, so a kill at any
+    moment leaves a whole checkpoint under `<name>` (or, between the two renames, under `<name>.old`)."""
+
+    def __init__(self, world: int):
+        super().__init__(data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=True)
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        partial = path.with_name(path.name + ".partial")
+        if self.global_rank == 0:
+            remove_path(partial)
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            old = path.with_name(path.name + ".old")
+            remove_path(old)
+            if path.exists():
+                path.rename(old)
+            partial.rename(path)
+            remove_path(old)
+        self.barrier()
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.global_rank == 0:
+            remove_path(Path(filepath))
+
+
+def remove_path(path: Path) -> None:
+    """Delete a checkpoint file or folder if it is there."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def stage_checkpoint(run_dir: Path, kind: str) -> Path | None:
+    """The stage's last checkpoint: `last.ckpt` (a file, or a sharded run's folder), or the folder a sharded save
+    had just moved aside when it was killed; None when the stage has none."""
+    folder = Path(run_dir) / "checkpoints" / kind
+    for candidate in (folder / "last.ckpt", folder / "last.ckpt.old"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def resolve_strategy(name: str, world: int):
+    """What Lightning is given for `trainer.strategy`: `fsdp` is FSDP2 through `ShardedStrategy` (Lightning's own
+    `fsdp` string would be FSDP1, whose wrapping, clipping and precision this project does not use)."""
+    return ShardedStrategy(world) if name == "fsdp" else name
+
+
 def make_trainer(trainer_settings: TrainerSettings, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Trainer:
     """The stage's Trainer: validation (the curve) every `eval_every_steps` optimizer steps, and the last checkpoint
     written after each validation, so a checkpoint always holds the curve up to its own step."""
     trainer_cfg = trainer_settings
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints" / plan.kind, filename="last", save_top_k=1,
                                  monitor=None, enable_version_counter=False, save_on_train_epoch_end=False)
-    strategy = (trainer_cfg.stage_strategy or {}).get(plan.kind, trainer_cfg.strategy)
+    strategy = resolve_strategy(str(trainer_cfg.strategy), world_size(trainer_cfg))
     # max_epochs=-1: the sampler ends the data at max_steps; with max_epochs=1 a resumed run stops early (tested)
+    # gradient clipping: StageModule.configure_gradient_clipping (also through the sharded root)
     return L.Trainer(
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.num_nodes,
         strategy=strategy, precision=trainer_cfg.precision, max_steps=plan.total_steps, max_epochs=-1,
@@ -156,45 +216,41 @@ def student_weights(state: dict) -> dict:
     return {key[key.index(marker) + len(marker):]: value for key, value in state.items() if marker in key}
 
 
-def deepspeed_fp32_state(trainer, folder: Path) -> dict | None:
-    """The float32 master weights of a DeepSpeed run, consolidated from a final checkpoint (on rank 0)."""
-    trainer.save_checkpoint(folder)  # every rank writes its ZeRO shards
-    if not trainer.is_global_zero:
-        return None
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="checkpoint")
-
-
 def unsharded_student(trainer, student, ctx, kind: str):
     """The trained student as a plain module on the run's device, on every rank. One device and DDP train the
-    student's own parameters (Lightning hands them back on the CPU); FSDP's full state dict (gathered on rank 0)
-    and DeepSpeed's consolidated float32 weights are loaded into a fresh copy and broadcast from rank 0."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
-
-    strategy = trainer.strategy
-    if isinstance(strategy, FSDPStrategy):
-        state = strategy.lightning_module_state_dict()
-    elif isinstance(strategy, DeepSpeedStrategy):
-        state = deepspeed_fp32_state(trainer, ctx.run_dir / "checkpoints" / kind / "consolidated")
-    else:
+    student's own parameters: it is returned as it is. Under FSDP every rank gathers the full weights (one copy,
+    in the dtype they trained in) and a student built on the meta device takes them by assignment, so no second
+    copy of the weights is ever made; the sharded one is dropped with the Trainer."""
+    if not isinstance(trainer.strategy, ModelParallelStrategy):
         return student.to(ctx.device)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True))  # every rank, on device
+    fresh = rebuilt_from(student, full)
+    log.info("stage %s: the student's full weights gathered from %s", kind, type(trainer.strategy).__name__)
+    return fresh
+
+
+def rebuilt_from(student, state: dict):
+    """A plain `HybridForCausalLM` of `student`'s config holding the tensors of `state` (assigned, not copied) and
+    `student`'s buffers (the RoPE frequencies are not in a state dict)."""
     from tcal.hybrid import HybridForCausalLM
 
-    fresh = HybridForCausalLM(student.config).to(torch.float32 if is_mixed(ctx.settings.trainer.precision)
-                                                  else next(ctx.teacher.parameters()).dtype)
-    if ctx.ranks.is_main:
-        fresh.load_state_dict(student_weights(state))
+    with torch.device("meta"):
+        fresh = HybridForCausalLM(student.config)
+    fresh.load_state_dict(state, strict=True, assign=True)
     fresh.tie_weights()
-    fresh.requires_grad_(False).to(ctx.device)
-    ctx.ranks.broadcast_module(fresh, src=0)
-    log.info("stage %s: the student's full weights gathered from %s", kind, type(strategy).__name__)
+    own = dict(student.named_buffers())
+    for name, buffer in fresh.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        fresh.get_submodule(owner)._buffers[leaf] = own[name]
+    fresh.requires_grad_(False)
     return fresh
 
 
 def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
     """Train `student` for one stage; returns (the stage's record: summary and curve, the trained student). The
-    student is trained in place except under FSDP and DeepSpeed, whose full weights come back in a fresh copy."""
+    student is trained in place except under FSDP, whose full weights come back in a plain module."""
     if plan.kind == "align":
         folder = ctx.cache_dir / "stage1" / ctx.settings.teacher.name if plan.cfg.cache else None
         record, student = get_or_build("stage1", stage1_key(ctx, student, plan),
@@ -217,8 +273,8 @@ def train_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
     module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps, eval_names=list(windows),
                                on_curve=on_curve)
     trainer = make_trainer(settings.trainer, plan, ctx.run_dir, logger, ctx.extra_callbacks)
-    last = ctx.run_dir / "checkpoints" / plan.kind / "last.ckpt"
-    ckpt_path = str(last) if resume and last.is_file() else None
+    last = stage_checkpoint(ctx.run_dir, plan.kind) if resume else None
+    ckpt_path = str(last) if last is not None else None
     if ckpt_path:
         log.info("stage %s: resuming from %s", plan.kind, ckpt_path)
     drop_rows_after(logger, plan.kind, checkpoint_progress(last).get("tokens_seen") if ckpt_path else None)
@@ -239,6 +295,9 @@ def train_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
         "cached": False,
     }
     student = unsharded_student(trainer, student, ctx, plan.kind)
+    if not record["rank_weight_digests"]:  # a sharded run: the digests of the gathered weights
+        digests = ctx.ranks.merge({ctx.ranks.rank: weights_digest(student)[:15]})
+        record["rank_weight_digests"] = [digests[rank] for rank in range(ctx.ranks.world_size)]
     first, final = ({name: points[i]["ppl"] for name, points in module.curve.items() if points} for i in (0, -1))
     if trainer.is_global_zero:
         print(f"stage {plan.kind}: {module.tokens_seen:,} tokens in {trainer.global_step} steps, {seconds:.0f} s "

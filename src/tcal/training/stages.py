@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from tcal.calibration.align import alignment_loss, capture_teacher_io
-from tcal.evaluate.validation import PerplexityValidation
+from tcal.evaluate.validation import PerplexityValidation, is_sharded
 from tcal.errors import Divergence, check_finite
 from tcal.fingerprint import weights_digest
 from tcal.schedule import lr_factor
@@ -25,6 +25,27 @@ from tcal.training.kd import chunked_kd_loss
 log = logging.getLogger(__name__)
 
 Curve = dict[str, list[dict]]  # eval set -> [{"tokens": int, "ppl": float}, ...]
+
+
+def shard_student(student, mesh) -> None:
+    """FSDP2 units over `mesh`: each GDN mixer, each decoder layer (holding the mixer's unit), then the student as
+    the root (embeddings, final norm, head). A unit's weights are gathered only while it runs, so a rank holds one
+    layer's full weights at a time besides its shards. Parameters keep their dtype (under `-mixed` precisions the
+    float32 weights are gathered and Lightning's autocast computes in bfloat16, as on one device and under DDP);
+    buffers are never cast, so the RoPE frequencies stay float32.
+
+    The root's lazy initialization runs here rather than at its first forward, because Stage 1 calls the GDN
+    units directly (`student.gdn(i)`) and FSDP takes the first module to run as the root. Code that reaches the
+    root's own weights without the root's forward (Stage 2 calls the decoder and uses the head's weight) gathers
+    them first with `student.unshard()`; the backward's final callback reduces their gradients and reshards."""
+    from torch.distributed.fsdp import fully_shard
+
+    for i in student.config.gdn_layers:
+        fully_shard(student.gdn(i), mesh=mesh)
+    for layer in student.get_decoder().layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(student, mesh=mesh)
+    student._get_fsdp_state()._lazy_init()
 
 
 def lr_schedule(optimizer, name: str, total_steps: int, min_lr_ratio: float = 0.0):
@@ -66,6 +87,14 @@ class StageModule(PerplexityValidation):
         self.student.train()  # no dropout in these models; train mode states the intent (and silences Lightning)
         self.set_checkpointing(bool(self.cfg.checkpoint_mixers), bool(self.cfg.activation_checkpointing))
 
+    def configure_model(self) -> None:
+        """Under `trainer.strategy=fsdp`, shard the student (`shard_student`), once: the token-0 validation and
+        the fit of one Trainer share the wrap. Other strategies train the student as it is."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if isinstance(self.trainer.strategy, ModelParallelStrategy) and not is_sharded(self.student):
+            shard_student(self.student, self.device_mesh["data_parallel"])
+
     def teardown(self, stage: str) -> None:
         self.set_checkpointing(False, False)
 
@@ -100,15 +129,18 @@ class StageModule(PerplexityValidation):
                 "lr_scheduler": lr_schedule(optimizer, cfg.schedule, self.total_steps, cfg.min_lr_ratio)}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Norm clipping also for the fused AdamW under bf16 autocast: bfloat16 has no gradient scaler, so there is
-        nothing to unscale first (Lightning's mixed-precision plugin refuses every fused optimizer, scaler or not).
-        Sharded strategies clip their own way."""
+        """Norm clipping by the global norm of every gradient, the same figure on every strategy: done here for the
+        fused AdamW under bf16 autocast (bfloat16 has no gradient scaler, so there is nothing to unscale first;
+        Lightning's mixed-precision plugin refuses every fused optimizer, scaler or not) and for FSDP, whose
+        gradients are shards (DTensors: `clip_grad_norm_` reduces their norms over the ranks)."""
         from lightning.pytorch.plugins.precision import MixedPrecision
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+        from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
         plugin, strategy = self.trainer.precision_plugin, self.trainer.strategy
-        if (gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None
-                and type(strategy) in (SingleDeviceStrategy, DDPStrategy)):
+        ours = isinstance(strategy, ModelParallelStrategy) or (
+            isinstance(plugin, MixedPrecision) and plugin.scaler is None
+            and type(strategy) in (SingleDeviceStrategy, DDPStrategy))
+        if gradient_clip_val and ours:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
         else:
@@ -153,7 +185,10 @@ class StageModule(PerplexityValidation):
         self._clock = (time.perf_counter(), self.tokens_seen)
 
     def on_train_end(self) -> None:
-        """Every rank's weight digest, gathered: a DDP run proves its ranks ended identical."""
+        """Every rank's weight digest, gathered: a DDP run proves its ranks ended identical. A sharded student
+        holds shards: its digests are taken after the gather (`tcal.training.run.train_stage`)."""
+        if is_sharded(self.student):
+            return
         mine = torch.tensor([int(weights_digest(self.student)[:15], 16)], dtype=torch.int64, device=self.device)
         gathered = self.all_gather(mine).reshape(-1)
         self.rank_weight_digests = [f"{int(d):015x}" for d in gathered.tolist()]
@@ -182,7 +217,7 @@ class StageModule(PerplexityValidation):
 
     def on_fit_end(self) -> None:
         """A fit resumed from a checkpoint of its last step trains nothing and skips on_train_end: gather here."""
-        if not self.rank_weight_digests:
+        if not self.rank_weight_digests and not is_sharded(self.student):
             self.on_train_end()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -249,6 +284,8 @@ class DistillStage(StageModule):
         """(KL (+ CE) loss, {"kl", "ce"}) of one batch of token ids."""
         with torch.no_grad():
             teacher_hidden = self.teacher.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
+        if is_sharded(self.student):
+            self.student.unshard()  # the decoder's embeddings and norm and the head's weight, used outside forward
         student_hidden = self.student.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
         loss, parts = chunked_kd_loss(student_hidden, teacher_hidden, self.student.get_output_embeddings(),
                                       self.teacher.get_output_embeddings(), batch,
