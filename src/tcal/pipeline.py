@@ -30,6 +30,7 @@ from tcal.fingerprint import weights_digest
 from tcal.gdn import kernel_path
 from tcal.record import RESULTS, new_record, read_record, records_failure, write_record
 from tcal.rerun import check_checkpoints
+from tcal.results import check_folder_target
 from tcal.tracking import finish, log_figures, make_logger
 from tcal.training.run import is_mixed, plan_stages, run_stage
 from tcal.validate import validate_config, validate_loaded
@@ -69,6 +70,8 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
     process's place among the run's launched processes (`tcal.distributed.launch`); None is one process."""
     run_dir = Path(run_dir)
     validate_config(cfg)
+    if cfg.save_student:
+        check_folder_target(run_dir / "student")  # a `student/` tcal did not write is refused before any work
     if resume:
         check_checkpoints(run_dir)  # a damaged one is named before any work
     timings: dict[str, float] = {}
