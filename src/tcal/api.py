@@ -221,6 +221,7 @@ def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: S
     the eval sets of `data`)."""
     from tcal.training.run import plan_stages, run_stage
     from tcal.config import stages_of
+    from tcal.rerun import holding_folder
     from tcal.validate import check_eval, check_fit, check_seed, check_stages, check_trainer, eval_lengths
 
     stage = stage or DistillSettings()
@@ -235,8 +236,9 @@ def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: S
                *eval_lengths(cfg)], context_length(teacher))
     ctx = context(teacher, splits, settings, cache_dir, run_dir)
     records = {}
-    for plan in plan_stages(ctx):
-        records[plan.kind], student = run_stage(plan, ctx, student, None, lambda curve: None, resume=False)
+    with holding_folder(ctx.run_dir):  # its checkpoints: one live run per folder, as for `tcal`
+        for plan in plan_stages(ctx):
+            records[plan.kind], student = run_stage(plan, ctx, student, None, lambda curve: None, resume=False)
     return student, records
 
 

@@ -30,7 +30,7 @@ from tcal.evaluate.suite import format_table
 from tcal.fingerprint import weights_digest
 from tcal.gdn import kernel_path
 from tcal.record import RESULTS, new_record, read_record, records_failure, write_record
-from tcal.rerun import check_checkpoints
+from tcal.rerun import check_checkpoints, holds_folder
 from tcal.signals import handling
 from tcal.results import check_folder_target
 from tcal.tracking import finish, log_figures, make_logger
@@ -67,6 +67,7 @@ def prepare(cfg, run_dir: Path, timings: dict, ranks: Ranks | None = None) -> Ru
 
 @records_failure
 @handling
+@holds_folder
 def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None = None,
         ranks: Ranks | None = None) -> dict:
     """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint. `ranks`: this
