@@ -11,12 +11,22 @@
 
 These are the steps `tcal` runs (`tcal.pipeline` calls them); on-disk caches (calibrated layers, retention scores,
 Stage 1) live under `cache_dir`, $TCAL_CACHE_DIR or .cache/tcal as for `tcal`.
+
+Every step is the CLI's equal (`step`): its arguments are checked against its annotations first (a wrong type is a
+TypeError naming the step, the argument and what it expected), its settings go through the checks `tcal` makes
+(`tcal.validate`, a ConfigError naming the key: also lengths past the loaded teacher's context), and a signal
+stops it with `tcal.signals.Interrupted` (SIGINT: a KeyboardInterrupt, never SystemExit).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import numbers
 import os
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +38,9 @@ from tcal.config import (
     DataSettings,
     DistillSettings,
     EvalSettings,
+    ExplicitRetentionSettings,
     InitSettings,
+    RetentionSettings,
     RunSettings,
     StageSequenceSettings,
     StageSettings,
@@ -40,6 +52,9 @@ from tcal.context import RunContext
 from tcal.data import Splits, load_splits
 from tcal.distributed import Ranks
 from tcal.retention import Selection
+from tcal.signals import handling
+
+PathLike = typing.Union[str, os.PathLike]
 
 
 @dataclass
@@ -53,6 +68,56 @@ class Teacher:
     @property
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
+
+
+def expected(hint) -> str:
+    """An annotation in words: `TeacherSettings or None`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(expected(arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    return "an integer" if hint is int else getattr(hint, "__name__", str(hint))
+
+
+def fits(value, hint) -> bool:
+    """Whether `value` is of the annotated type (a union: any of its members; ints: any integer but a bool)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(fits(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    origin = typing.get_origin(hint) or hint
+    return not isinstance(origin, type) or isinstance(value, origin)
+
+
+def step(function):
+    """A public step of the library: arguments checked against its annotations (TypeError naming the argument),
+    signals handled (`tcal.signals`)."""
+    signature = inspect.signature(function)
+    hints = typing.get_type_hints(function)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"api.{function.__name__}: {err}") from None
+        for name, value in bound.arguments.items():
+            hint = hints.get(name)
+            if hint is not None and not fits(value, hint):
+                raise TypeError(f"api.{function.__name__}: {name}={value!r:.80} (a {type(value).__name__}); expected "
+                                f"{expected(hint)}")
+        with handling():
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
+def context_length(teacher: Teacher) -> int | None:
+    return getattr(teacher.model.config, "max_position_embeddings", None)
 
 
 def default_cache_dir() -> Path:
@@ -74,7 +139,9 @@ def checked(check, settings: RunSettings) -> None:
     check(OmegaConf.structured(settings))
 
 
-def load_teacher(settings: TeacherSettings | None = None, cache_dir=None, device=None) -> Teacher:
+@step
+def load_teacher(settings: TeacherSettings | None = None, cache_dir: PathLike | None = None,
+                 device: str | torch.device | None = None) -> Teacher:
     """The teacher `settings` name, on `device` (default: the CPU)."""
     from tcal.teachers.load import load_teacher as load
 
@@ -85,24 +152,37 @@ def load_teacher(settings: TeacherSettings | None = None, cache_dir=None, device
     return Teacher(model, tokenizer, settings)
 
 
+@step
 def load_data(settings: DataSettings | None = None) -> Splits:
     """The documents of `settings`, split by document into train / calibration / evaluation."""
     return load_splits(settings or DataSettings())
 
 
-def select_layers(teacher: Teacher, splits: Splits, retention, init: InitSettings | None = None,
-                  calibration: CalibrationSettings | None = None, seed: int = 0, cache_dir=None,
-                  ranks: Ranks | None = None) -> Selection:
+@step
+def select_layers(teacher: Teacher, splits: Splits, retention: RetentionSettings | ExplicitRetentionSettings,
+                  init: InitSettings | None = None, calibration: CalibrationSettings | None = None, seed: int = 0,
+                  cache_dir: PathLike | None = None, ranks: Ranks | None = None) -> Selection:
     """The layers that keep softmax attention (`Selection.keep_layers`) by `retention`'s policy; `ga_s2` scores
     students initialized with `init` (and `calibration`)."""
     from tcal.retention import select_layers as select
 
+    from tcal.validate import check_calibration, check_fit, check_retention, check_seed
+
     settings = RunSettings(retention=retention, init=init or InitSettings(),
                            calibration=calibration or CalibrationSettings(), seed=seed)
+    cfg = OmegaConf.structured(settings)
+    check_seed(cfg)
+    check_retention(cfg, teacher.num_layers)
+    if "seq_len" in cfg.retention:
+        check_fit([("retention.seq_len", cfg.retention.seq_len)], context_length(teacher))
+    if cfg.retention.name == "ga_s2":
+        check_calibration(cfg)
+        check_fit([("calibration.seq_len", cfg.calibration.seq_len)], context_length(teacher))
     return select(retention, context(teacher, splits, settings, cache_dir, ranks=ranks))
 
 
-def build_student(teacher: Teacher | torch.nn.Module, keep_layers, gqa_expansion: str = "whole_head",
+@step
+def build_student(teacher: Teacher | torch.nn.Module, keep_layers: list | tuple, gqa_expansion: str = "whole_head",
                   seed: int = 0):
     """The hybrid student: `keep_layers` keep the teacher's attention, every other layer is a naive GDN."""
     from tcal.convert import build_student as build
@@ -111,38 +191,54 @@ def build_student(teacher: Teacher | torch.nn.Module, keep_layers, gqa_expansion
     return build(model, list(keep_layers), gqa_expansion, int(seed))
 
 
-def initialize(student, teacher: Teacher, splits: Splits, init: InitSettings,
-               calibration: CalibrationSettings | None = None, seed: int = 0, cache_dir=None,
+@step
+def initialize(student: torch.nn.Module, teacher: Teacher, splits: Splits, init: InitSettings,
+               calibration: CalibrationSettings | None = None, seed: int = 0, cache_dir: PathLike | None = None,
                ranks: Ranks | None = None) -> dict:
     """Initialize the student's GDN layers in place by init mode `init.name`; returns the calibration record."""
     from tcal.init import init_student
     from tcal.validate import check_calibration, check_init
 
+    from tcal.validate import check_fit, check_seed, init_phases
+
     settings = RunSettings(init=init, calibration=calibration or CalibrationSettings(), seed=seed)
+    checked(check_seed, settings)
     checked(check_init, settings)
     checked(check_calibration, settings)
+    cfg = OmegaConf.structured(settings)
+    if init_phases(cfg) or cfg.init.name == "full_plus":
+        check_fit([("calibration.seq_len", cfg.calibration.seq_len)], context_length(teacher))
     return init_student(student, init, context(teacher, splits, settings, cache_dir, ranks=ranks))
 
 
-def distill(student, teacher: Teacher, splits: Splits, stage: StageSettings | None = None,
+@step
+def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: StageSettings | None = None,
             tokens: int | None = None, eval: EvalSettings | None = None, data: DataSettings | None = None,
-            trainer: TrainerSettings | None = None, seed: int = 0, run_dir=None, cache_dir=None):
+            trainer: TrainerSettings | None = None, seed: int = 0, run_dir: PathLike | None = None,
+            cache_dir: PathLike | None = None):
     """Train the student for one stage (or a sequence) of `stage` (default: Stage 2 distillation), `tokens`
     replacing its token budget; returns (the trained student, the stage records with their perplexity curves on
     the eval sets of `data`)."""
     from tcal.training.run import plan_stages, run_stage
-    from tcal.validate import check_stages
+    from tcal.config import stages_of
+    from tcal.rerun import holding_folder
+    from tcal.validate import check_eval, check_fit, check_seed, check_stages, check_trainer, eval_lengths
 
     stage = stage or DistillSettings()
     if tokens is not None:
         stage = with_budget(stage, int(tokens))
     settings = RunSettings(data=data or DataSettings(), stage=stage, eval=eval or EvalSettings(),
                            trainer=trainer or TrainerSettings(), seed=seed)
-    checked(check_stages, settings)
+    for check in (check_seed, check_trainer, check_stages, check_eval):
+        checked(check, settings)
+    cfg = OmegaConf.structured(settings)
+    check_fit([*((f"{prefix}.seq_len", node.seq_len) for _, node, prefix in stages_of(cfg.stage)),
+               *eval_lengths(cfg)], context_length(teacher))
     ctx = context(teacher, splits, settings, cache_dir, run_dir)
     records = {}
-    for plan in plan_stages(ctx):
-        records[plan.kind], student = run_stage(plan, ctx, student, None, lambda curve: None, resume=False)
+    with holding_folder(ctx.run_dir):  # its checkpoints: one live run per folder, as for `tcal`
+        for plan in plan_stages(ctx):
+            records[plan.kind], student = run_stage(plan, ctx, student, None, lambda curve: None, resume=False)
     return student, records
 
 
@@ -154,30 +250,39 @@ def with_budget(stage, tokens: int):
     return dataclasses.replace(stage, max_tokens=tokens, eval_every_tokens=min(stage.eval_every_tokens, tokens))
 
 
-def evaluate(student, teacher: Teacher, splits: Splits, eval: EvalSettings | None = None,
-             data: DataSettings | None = None, trainer: TrainerSettings | None = None, cache_dir=None,
-             ranks: Ranks | None = None) -> dict:
+@step
+def evaluate(student: torch.nn.Module, teacher: Teacher, splits: Splits, eval: EvalSettings | None = None,
+             data: DataSettings | None = None, trainer: TrainerSettings | None = None,
+             cache_dir: PathLike | None = None, ranks: Ranks | None = None) -> dict:
     """Teacher and student perplexity on the eval sets of `data` (plus the harness and RULER that `eval` names):
     the `metrics`, `harness` and `ruler` entries of a results.json."""
     from tcal.evaluate.suite import evaluate as run_evaluation
-    from tcal.validate import check_eval
+    from tcal.validate import check_eval, check_fit, check_ruler_room, check_trainer, eval_lengths
 
     settings = RunSettings(data=data or DataSettings(), eval=eval or EvalSettings(),
                            trainer=trainer or TrainerSettings())
     checked(check_eval, settings)
+    checked(check_trainer, settings)
+    cfg = OmegaConf.structured(settings)
+    check_fit(eval_lengths(cfg), context_length(teacher))  # the same check as `tcal`'s, on the loaded teacher
+    ctx = context(teacher, splits, settings, cache_dir, ranks=ranks)
+    check_ruler_room(ctx, cfg)
     student.eval()
-    return run_evaluation(context(teacher, splits, settings, cache_dir, ranks=ranks), student)
+    return run_evaluation(ctx, student)
 
 
-def save(student, tokenizer, folder) -> Path:
-    """save_pretrained of the student and tokenizer into `folder`, written whole or not at all."""
+@step
+def save(student: torch.nn.Module, tokenizer, folder: PathLike) -> Path:
+    """save_pretrained of the student and tokenizer into `folder`, written whole or not at all. `folder` must be new,
+    empty, or an earlier export of tcal (its manifest lists every file there): anything else there (a user's
+    notes.txt, the working folder) is refused, naming it, and nothing is deleted (`tcal.results`)."""
     from tcal.results import write_folder_atomic
 
     def write(tmp: Path) -> None:
         student.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    write_folder_atomic(Path(folder), write)
+    write_folder_atomic(Path(folder), write)  # a folder holding files tcal did not write is refused (WriteRefused)
     return Path(folder)
 
 

@@ -8,6 +8,8 @@ In a sweep (`-m`), a failing job is recorded in its folder and the others run (`
 
 A configuration error (`tcal.errors.ConfigError`: a bad setting, unreadable data, or an unknown option of a
 config group) prints one line on stderr and exits with code 2, before any work and without a traceback.
+SIGTERM, SIGINT or SIGUSR1 (`tcal.signals`) leave the record saying so, print one line (a sweep: one per job
+that did not run) and exit with 128 + the signal's number; a write the filesystem refuses is one line, exit 1.
 """
 
 import sys
@@ -20,8 +22,10 @@ from omegaconf import OmegaConf
 from tcal.arguments import check_arguments
 from tcal.errors import ConfigError, Divergence
 from tcal.record import RESULTS, RecordError, load_record, read_record
+from tcal.results import WriteFailed
 from tcal.settings import group_options
-from tcal.sweep import failed_jobs, sweep_job
+from tcal.signals import Interrupted, handling
+from tcal.sweep import failed_jobs, interrupted_lines, sweep_job
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 CONFIG_ERROR_EXIT = 2
@@ -125,7 +129,16 @@ def run_failed_exit(err: Exception, run_dir: Path) -> None:
     sys.exit(1)
 
 
+def interrupted_exit(err: Interrupted) -> None:
+    """A signal stopped the run (or the sweep): one line each for it and any sweep job that did not run, exit code
+    128 + the signal's number."""
+    for line in interrupted_lines(err):
+        print(f"tcal: {line}", file=sys.stderr, flush=True)
+    sys.exit(err.exit_code)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@handling
 def hydra_main(cfg) -> None:
     from tcal.rank import RankFailed
     from tcal.validate import validate_config
@@ -138,8 +151,11 @@ def hydra_main(cfg) -> None:
             run_in(cfg, run_dir)
     except ConfigError as err:
         config_error_exit(err)
-    except (Divergence, RankFailed) as err:
+    except (Divergence, RankFailed, WriteFailed) as err:
         run_failed_exit(err, run_dir)
+    except Interrupted as err:
+        err.run_dir = getattr(err, "run_dir", run_dir)
+        raise
 
 
 def main() -> None:
@@ -149,7 +165,11 @@ def main() -> None:
         check_arguments(sys.argv[1:])
     except ConfigError as err:
         config_error_exit(err)
-    hydra_main()
+    try:
+        with handling():
+            hydra_main()
+    except Interrupted as err:
+        interrupted_exit(err)
     if failed_jobs():
         sys.exit(1)
 

@@ -36,7 +36,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tcal.distributed import Ranks
-from tcal.results import write_atomic, write_json_atomic
+from tcal.locks import describe_holder, locked
+from tcal.results import make_folder, write_atomic, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -125,25 +126,17 @@ def lock_path(path: Path) -> Path:
 
 @contextlib.contextmanager
 def key_lock(path: str | Path, wait: bool = True):
-    """An exclusive lock on the entry at `path` (POSIX flock; released when the holder exits, even when killed).
-    Yields whether it is held: with `wait=False` it is not when another process holds it."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): racing writers still leave one whole file
-        yield True
-        return
+    """An exclusive lock on the entry at `path` (`tcal.locks`: released when the holder exits, even when killed).
+    Yields whether it is held: with `wait=False` it is not when another process holds it. Waiting for another
+    process, it first logs which entry it waits for and who is building it."""
     lock = lock_path(Path(path))
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def say_waiting(holder: dict) -> None:
+        log.warning("cache: waiting for %s, being built by %s", Path(path), describe_holder(holder))
+
+    make_folder(lock.parent)
+    with locked(lock, wait=wait, on_wait=say_waiting) as held:
+        yield held
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ the run got) and at every curve point, so a crash leaves a readable record. With
 is zero-shot. A multi-device run starts its ranks first (`tcal.distributed`); every rank then holds the teacher
 and the student on its own device, the per-layer work is split across ranks, the evaluations are Lightning
 validation over all ranks, and rank 0 writes results.json and exports.
-A resumed run keeps what its record held, and a failure marks the record "failed" (`tcal.record`).
+A resumed run keeps what its record held, and a failure or a signal (`tcal.signals`) marks the record "failed"
+(`tcal.record`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from tcal.evaluate.suite import format_table
 from tcal.fingerprint import weights_digest
 from tcal.gdn import kernel_path
 from tcal.record import RESULTS, new_record, read_record, records_failure, write_record
-from tcal.rerun import check_checkpoints
+from tcal.rerun import check_checkpoints, holds_folder
+from tcal.signals import handling
+from tcal.results import check_folder_target
 from tcal.tracking import finish, log_figures, make_logger
 from tcal.training.run import is_mixed, plan_stages, run_stage
 from tcal.validate import validate_config, validate_loaded
@@ -63,6 +66,8 @@ def prepare(cfg, run_dir: Path, timings: dict, ranks: Ranks | None = None) -> Ru
 
 
 @records_failure
+@handling
+@holds_folder
 def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None = None,
         ranks: Ranks | None = None) -> dict:
     """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint. `ranks`: this
@@ -71,6 +76,8 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
     ranks = ranks or Ranks()
     with ranks.together():  # a refusal or a failed load on any rank stops every rank with the same error
         validate_config(cfg)
+        if cfg.save_student:
+            check_folder_target(run_dir / "student")  # a `student/` tcal did not write is refused before any work
         if resume:
             check_checkpoints(run_dir)  # a damaged one is named before any work
         timings: dict[str, float] = {}

@@ -4,7 +4,8 @@ kills, resumes and failures (docs/method.md, section "The record: results.json")
 - One schema (`FIELDS`, version `SCHEMA_VERSION`): `new_record` starts the record, `write_record` checks it before
   every write, `load_record` checks it on every read, and `example_record` builds a whole one for tests.
 - `status` says how far the run got: converted, initialized, trained_<stage> (in stage order), complete; or
-  failed, with `error` (what stopped it, on one line) and `failed_after` (the status it had reached). The fields a
+  failed, with `error` (what stopped it, on one line; `interrupted by SIGTERM (signal 15)` for a signal) and
+  `failed_after` (the status it had reached). The fields a
   record must hold grow with its status.
 - A resumed run starts from the record on disk: what it writes replaces those fields, everything else it held
   (curves, stage records) stays until replaced, and the status never goes back.
@@ -27,6 +28,7 @@ from omegaconf import OmegaConf
 
 from tcal.errors import ConfigError, FolderInUse
 from tcal.results import null_non_finite, write_json_atomic
+from tcal.signals import Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +361,12 @@ def write_record(path: str | Path, results: dict, earlier: dict | None = None) -
 
 
 def describe(err: BaseException) -> str:
-    """An error on one line, with what kind of error it is."""
+    """An error on one line, with what kind of error it is (an interrupt: `interrupted by SIGTERM (signal 15)`)."""
+    from tcal.signals import as_interrupt
+
+    interrupt = as_interrupt(err)
+    if interrupt is not None:
+        return str(interrupt)
     text = " ".join(str(err).split())
     kind = "configuration error" if isinstance(err, ConfigError) else type(err).__name__
     return f"{kind}: {text}" if text else kind
@@ -388,19 +395,20 @@ def record_failure(run_dir: str | Path, err: BaseException, cfg=None, create: bo
 
 
 def records_failure(run):
-    """Decorate `run(cfg, run_dir, ...)`: an error once the record exists (divergence, a crash) marks it failed.
-    A ConfigError leaves the record as it is (nothing was done, or a resume was refused)."""
+    """Decorate `run(cfg, run_dir, ...)`: an error once the record exists (divergence, a crash, a signal: see
+    `tcal.signals`) marks it failed. A ConfigError leaves the record as it is (nothing was done, or a resume was
+    refused)."""
     @functools.wraps(run)
     def wrapper(cfg, run_dir, *args, **kwargs):
         try:
             return run(cfg, run_dir, *args, **kwargs)
         except ConfigError:
             raise
-        except Exception as err:
+        except (Exception, KeyboardInterrupt, Interrupted) as err:
             ranks = kwargs.get("ranks")
             if ranks is not None and not ranks.is_main:
                 raise  # rank 0 writes the record
-            path = record_failure(run_dir, err, cfg)
+            path = record_failure(run_dir, err, cfg, create=isinstance(err, (KeyboardInterrupt, Interrupted)))
             if path is not None:
                 log.error("run failed: %s (record: %s)", describe(err), path)
             raise

@@ -5,6 +5,10 @@ checkpoints can be read.
   naming the folder and the keys that differ (`FolderInUse`), never written over or beside: a rerun of a sweep
   into its folder stays a rerun, and no result is lost. A record that failed before any work (a bad setting of
   a sweep job) holds no result and takes the new config.
+- One folder, one live run. A run holds its folder while it works (`holding_folder`: a lock file,
+  `.tcal-run.lock`, naming its pid and host); a second run into it (the same command twice, a SLURM requeue
+  while the old job lives) is refused with one line naming the holder, and writes nothing there. A hold left by
+  a process that died is no hold: the next run takes it over.
 - Keys safe to change on resume (`SAFE_ON_RESUME`) do not change the result: where outputs and caches live,
   whether caches are used, the metrics logger, whether the student is exported. A resume or rerun that changes
   any other key of the recorded run is refused; the safe ones take their new values.
@@ -12,16 +16,20 @@ checkpoints can be read.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import functools
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from tcal.errors import DamagedCheckpoint, FolderInUse
+from tcal.locks import describe_holder, holder_of, locked
 from tcal.settings import group_options, leaf_items
 
 SAFE_ON_RESUME = ("resume", "task_name", "paths.*", "logger.*", "save_student", "*.cache", "*.cache_tokens")
 SHOWN = 4  # differing keys named in a message
+RUN_LOCK = ".tcal-run.lock"
 
 
 def is_safe(key: str) -> bool:
@@ -131,3 +139,26 @@ def check_checkpoints(run_dir: Path) -> None:
     """Every stage checkpoint of `run_dir` can be read: a resume fails before any work otherwise."""
     for path in sorted((Path(run_dir) / "checkpoints").glob("*/last.ckpt")):
         checkpoint_progress(path)
+
+
+@contextlib.contextmanager
+def holding_folder(run_dir: Path):
+    """Hold `run_dir` for this run; FolderInUse naming the holder when a live run holds it."""
+    lock = Path(run_dir) / RUN_LOCK
+    with locked(lock, wait=False) as held:
+        if not held:
+            raise FolderInUse(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one "
+                              f"run per folder: wait for it to end or stop it, or pass another hydra.run.dir / "
+                              f"hydra.sweep.dir")
+        yield
+
+
+def holds_folder(run):
+    """Decorate `run(cfg, run_dir, ..., ranks=None)`: rank 0 holds `run_dir` while the run works."""
+    @functools.wraps(run)
+    def wrapper(cfg, run_dir, *args, **kwargs):
+        ranks = kwargs.get("ranks")
+        with holding_folder(Path(run_dir)) if ranks is None or ranks.is_main else contextlib.nullcontext():
+            return run(cfg, run_dir, *args, **kwargs)
+
+    return wrapper

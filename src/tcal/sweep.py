@@ -5,6 +5,11 @@ in its own folder (results.json with status "failed" and the error; a record alr
 and a folder holding a run of another config is not touched), logged, and listed in
 `<sweep dir>/failed_jobs.jsonl`. When the sweep ends, `SweepSummary` (a Hydra callback, conf/config.yaml)
 prints one line per failed job and `tcal` exits with code 1.
+
+A signal (`tcal.signals`) stops the whole sweep instead: the job it stopped is recorded as interrupted, and the
+summary lists that job and every job of the sweep that did not run (also in `failed_jobs.jsonl`, with the error
+`not run: ...`), so a scheduler never reads an interrupted sweep as a successful one; `tcal` exits with 128 + the
+signal's number. The same command again skips the finished jobs and continues the others.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ log = logging.getLogger(__name__)
 
 FAILURES = "failed_jobs.jsonl"
 _failed: list[dict] = []  # the failed jobs of the sweep that ended last in this process
+_planned: list[list[str]] = []  # every job's overrides, in order, of the sweep running in this process
 
 
 def in_sweep() -> bool:
@@ -30,7 +36,12 @@ def in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def record_job_failure(cfg, run_dir: Path, err: Exception) -> None:
+def add_failure_lines(sweep_dir: Path, lines: list[dict]) -> None:
+    with open(Path(sweep_dir) / FAILURES, "a", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(line) + "\n" for line in lines)
+
+
+def record_job_failure(cfg, run_dir: Path, err: BaseException) -> None:
     """The failed job's record in its folder (when it has none yet), its log, and its line in the sweep's list."""
     from hydra.core.hydra_config import HydraConfig
 
@@ -38,25 +49,40 @@ def record_job_failure(cfg, run_dir: Path, err: Exception) -> None:
     from tcal.errors import ConfigError, Divergence
     from tcal.rank import RankFailed
     from tcal.record import RESULTS, describe, record_failure
+    from tcal.signals import as_interrupt
 
     if not (Path(run_dir) / RESULTS).exists():
         record_failure(run_dir, err, cfg, create=True)
-    if isinstance(err, (ConfigError, Divergence, RankFailed)):  # a failed rank logged its own traceback
+    if isinstance(err, (ConfigError, Divergence, RankFailed)) or as_interrupt(err):  # a failed rank logged its own traceback
         log.error("job failed: %s", describe(err))
     else:
         log.exception("job failed: %s", describe(err))
     if not is_rank_zero():  # ranks started from outside (SLURM tasks) run the job each: rank 0 lists it
         return
     hydra = HydraConfig.get()
-    line = {"job": hydra.job.num, "overrides": list(hydra.overrides.task), "folder": str(run_dir),
-            "error": describe(err)}
-    with open(Path(hydra.sweep.dir) / FAILURES, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(line) + "\n")
+    add_failure_lines(Path(hydra.sweep.dir), [{"job": hydra.job.num, "overrides": list(hydra.overrides.task),
+                                               "folder": str(run_dir), "error": describe(err)}])
+
+
+def record_sweep_interrupt(err: BaseException, run_dir: Path) -> None:
+    """The interrupted job's place in the sweep, and a `not run` line for each later job, in the sweep's list."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra = HydraConfig.get()
+    job, sweep_dir = int(hydra.job.num), Path(hydra.sweep.dir)
+    later = [{"job": num, "overrides": overrides, "folder": str(sweep_dir / str(num)),
+              "error": f"not run: the sweep was {err}"} for num, overrides in enumerate(_planned) if num > job]
+    add_failure_lines(sweep_dir, later)
+    err.sweep = {"job": job, "folder": str(run_dir), "sweep_dir": str(sweep_dir), "not_run": later,
+                 "planned": len(_planned) or None}
 
 
 @contextlib.contextmanager
 def sweep_job(cfg, run_dir: Path):
-    """Around one job: in a sweep, an error is recorded and the sweep goes on; otherwise errors pass."""
+    """Around one job: in a sweep, an error is recorded and the sweep goes on; a signal is recorded and stops the
+    sweep (the jobs left are listed); outside a sweep everything passes."""
+    from tcal.signals import Interrupted, as_interrupt
+
     if not in_sweep():
         yield
         return
@@ -64,6 +90,49 @@ def sweep_job(cfg, run_dir: Path):
         yield
     except Exception as err:  # noqa: BLE001 - whatever failed, the other jobs run
         record_job_failure(cfg, Path(run_dir), err)
+    except (Interrupted, KeyboardInterrupt) as err:
+        interrupt = as_interrupt(err)
+        record_job_failure(cfg, Path(run_dir), interrupt)
+        record_sweep_interrupt(interrupt, Path(run_dir))
+        if interrupt is err:
+            raise
+        raise interrupt from None
+
+
+def interrupted_lines(err) -> list[str]:
+    """What `tcal` prints when a signal stopped a run or a sweep: the interrupt, then each job that did not run."""
+    sweep = getattr(err, "sweep", None)
+    if sweep is None:
+        where = getattr(err, "run_dir", None)
+        record = f" (record: {Path(where) / 'results.json'}; the same command continues it)" if where else ""
+        return [f"{err}{record}"]
+    total = f" of {sweep['planned']}" if sweep["planned"] else ""
+    lines = [f"sweep {err} in job {sweep['job']}{total}; the same command skips finished jobs and continues",
+             f"sweep job {sweep['job']} did not finish ({sweep['folder']}): {err}"]
+    lines += [f"sweep job {job['job']} did not run ({job['folder']}): {' '.join(job['overrides'])}"
+              for job in sweep["not_run"]]
+    if not sweep["planned"]:
+        lines.append("sweep: the jobs after it, if any, did not run (its launcher does not list them)")
+    return lines
+
+
+def planned_jobs(config) -> list[list[str]]:
+    """Every job's overrides, in the order Hydra's basic launcher runs them in this process (the sweeper's own
+    expansion); none for another launcher or sweeper, or a sweep it cannot expand here (a glob)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    hydra = config.hydra
+    if not str(hydra.sweeper.get("_target_", "")).endswith("BasicSweeper") or \
+            not str(hydra.launcher.get("_target_", "")).endswith("BasicLauncher"):
+        return []
+    params = [f"{key}={value}" for key, value in (hydra.sweeper.get("params") or {}).items()]
+    try:
+        overrides = OverridesParser.create().parse_overrides([*params, *hydra.overrides.task])
+        return BasicSweeper.split_arguments(overrides, None)[0]
+    except HydraException:
+        return []
 
 
 def failures_path(config) -> Path:
@@ -80,6 +149,7 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         failures_path(config).unlink(missing_ok=True)
         _failed.clear()
+        _planned[:] = planned_jobs(config)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         path = failures_path(config)

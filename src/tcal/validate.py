@@ -415,6 +415,21 @@ def configured_shape(cfg) -> tuple[int | None, int | None]:
     return config.get("num_hidden_layers"), config.get("max_position_embeddings")
 
 
+def check_fit(lengths: list[tuple[str, int]], context: int | None) -> None:
+    """Each (key, length) fits a teacher context of `context` tokens (None: unknown, not checked)."""
+    for key, value in lengths if context is not None else []:
+        if value > context:
+            raise ConfigError(f"{key}={value} is beyond the teacher's context of {context} tokens")
+
+
+def eval_lengths(cfg) -> list[tuple[str, int]]:
+    """The sequence lengths an evaluation of `cfg.eval` feeds the teacher."""
+    lengths = [("eval.seq_len", cfg.eval.seq_len)]
+    if cfg.eval.ruler.name != "none":
+        lengths.append(("eval.ruler.lengths", max(cfg.eval.ruler.lengths)))
+    return lengths
+
+
 def check_lengths(cfg, context: int | None) -> None:
     """Every sequence the run feeds the teacher fits its context."""
     if context is None:

@@ -28,6 +28,7 @@ from tcal.distributed import world_size
 from tcal.evaluate.validation import eval_dataloaders
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes, weights_digest
 from tcal.record import is_stage_record
+from tcal.results import atomic_checkpoint_io
 from tcal.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
 from tcal.tracking import drop_rows_after
@@ -180,7 +181,7 @@ def make_trainer(trainer_settings: TrainerSettings, plan: StagePlan, run_dir: Pa
         callbacks=[*callbacks, checkpoint], default_root_dir=str(run_dir), use_distributed_sampler=False,
         val_check_interval=plan.eval_every_steps, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         log_every_n_steps=1, enable_model_summary=False, inference_mode=False,
-        deterministic=trainer_cfg.deterministic,
+        deterministic=trainer_cfg.deterministic, plugins=[atomic_checkpoint_io()()],
     )
 
 
