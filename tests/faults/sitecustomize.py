@@ -6,7 +6,9 @@
 In the process whose $RANK is `rank` (one of the ranks a job starts; the job's own process has no $RANK), the
 function `call` is replaced by one that raises `raise` (a builtin exception or one of `tcal.errors`) with
 `message` when its arguments match `when` (argument name, or a dotted path into an argument such as
-"cfg.seed", -> value), and otherwise calls the original. Nothing is changed where $TCAL_TEST_FAULT is unset.
+"cfg.seed", -> value), and otherwise calls the original. With `"nan": true` instead of `raise`, a matching call
+returns the original's result with its (first) tensor multiplied by NaN. Nothing is changed where
+$TCAL_TEST_FAULT is unset.
 """
 
 from __future__ import annotations
@@ -38,13 +40,18 @@ def _install(fault: dict) -> None:
     original = getattr(module, function_name)
     signature = inspect.signature(original)
     errors = importlib.import_module("tcal.errors")
-    error = getattr(builtins, fault["raise"], None) or getattr(errors, fault["raise"])
+    error = None if fault.get("nan") else getattr(builtins, fault["raise"], None) or getattr(errors, fault["raise"])
 
     @functools.wraps(original)
     def faulty(*args, **kwargs):
-        if _matches(signature.bind(*args, **kwargs), fault.get("when", {})):
+        if not _matches(signature.bind(*args, **kwargs), fault.get("when", {})):
+            return original(*args, **kwargs)
+        if error is not None:
             raise error(fault["message"])
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if isinstance(result, tuple):
+            return (result[0] * float("nan"), *result[1:])
+        return result * float("nan")
 
     setattr(module, function_name, faulty)
 
