@@ -29,7 +29,9 @@ from pathlib import Path
 
 log = logging.getLogger("tcal.rank")  # also when run as __main__
 
-STOP_GRACE_S = 10.0  # how long the other ranks get to stop on their own once one rank failed
+# How long the other ranks get to stop on their own once one rank failed: a rank that raised a shared error is
+# on its way out, but ending a torch process takes seconds on a loaded machine.
+STOP_GRACE_S = 30.0
 KILL_AFTER_S = 10.0  # how long a stopped rank (SIGTERM) gets before SIGKILL
 POLL_S = 0.1
 
