@@ -67,6 +67,8 @@ def job_logging() -> dict | None:
     if not HydraConfig.initialized():
         return None
     hydra = HydraConfig.get()
+    if hydra.job_logging is None:
+        return None
     return {"config": OmegaConf.to_container(hydra.job_logging, resolve=True),
             "verbose": OmegaConf.to_container(hydra.verbose) if OmegaConf.is_config(hydra.verbose) else hydra.verbose}
 
@@ -207,9 +209,10 @@ def main(argv: list[str] | None = None) -> None:
 
     spec = json.loads(Path((argv if argv is not None else sys.argv[1:])[0]).read_text(encoding="utf-8"))
     die_with_parent(int(spec["parent"]))
-    logging_spec = spec["logging"] or {}
-    configure_log(OmegaConf.create(logging_spec["config"]) if logging_spec else None,
-                  logging_spec.get("verbose", False))
+    logging_spec = spec["logging"] or {"config": None, "verbose": False}  # None: Hydra's default, to stdout
+    verbose = logging_spec["verbose"]
+    configure_log(None if logging_spec["config"] is None else OmegaConf.create(logging_spec["config"]),
+                  OmegaConf.create(verbose) if isinstance(verbose, list) else verbose)
     cfg = OmegaConf.create(spec["config"])
     OmegaConf.set_struct(cfg, True)  # as Hydra composes it: a misspelt key is an error, not None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
