@@ -25,7 +25,7 @@ from conftest import isolated_cache_dir
 from tcal.app import CONF_DIR
 from tcal.distributed import Ranks, split_work
 from tcal.evaluate.validation import RankWindows
-from tcal.rank import free_port
+from tcal.rank import STOP_GRACE_S, free_port
 
 SMOKE = ("experiment=smoke", "eval.num_windows=3", "save_student=false")
 GA_S2_FULL = ("retention=ga_s2", "retention.num_windows=2", "init=full")
@@ -94,8 +94,8 @@ def test_two_ranks_of_batch_2_give_the_curve_of_one_process_of_batch_4(tmp_path)
         assert [p["ppl"] for p in two["curve"][name]] == pytest.approx([p["ppl"] for p in points], rel=1e-5)
 
 
-def tcal_with_fault(fault: dict | None, *args: str) -> subprocess.CompletedProcess:
-    """`tcal ARGS` with `fault` injected in its ranks (tests/faults/sitecustomize.py)."""
+def tcal_with_fault(fault: dict | list | None, *args: str) -> subprocess.CompletedProcess:
+    """`tcal ARGS` with `fault` (one, or a list) injected in its ranks (tests/faults/sitecustomize.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])),
            "TCAL_TEST_FAULT": json.dumps(fault) if fault else ""}
@@ -196,3 +196,19 @@ def test_a_failure_on_one_rank_stops_every_rank_with_the_same_line(tmp_path, cas
                                            f"(record: {run_dir / 'results.json'})"]
         record = read_results(run_dir)
         assert (record["status"], record["error"]) == ("failed", line)
+
+
+@pytest.mark.slow
+def test_ranks_still_running_after_one_failed_are_stopped_and_the_record_says_why(tmp_path):
+    message = "injected: rank 1 fails while rank 0 works alone"
+    faults = [{"call": "tcal.api:initialize", "rank": 1, "raise": "RuntimeError", "message": message},
+              {"call": "tcal.api:initialize", "rank": 0, "sleep": 900}]  # longer than the test's timeout
+    run_dir = tmp_path / "run"
+    done = tcal_with_fault(faults, *SMOKE, *TWO_RANKS, f"hydra.run.dir={run_dir}",
+                           f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"stopping ranks [0]: still running {STOP_GRACE_S:.0f} s after rank 1 failed" in done.stdout
+    assert tcal_lines(done.stderr) == [f"tcal: run failed: rank 1: RuntimeError: {message} "
+                                       f"(record: {run_dir / 'results.json'})"]
+    record = read_results(run_dir)  # written by rank 0 before it was stopped, marked failed by the job
+    assert (record["status"], record["error"]) == ("failed", f"RankFailed: rank 1: RuntimeError: {message}")
