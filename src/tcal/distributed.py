@@ -11,7 +11,7 @@ computes. A one-device run gets `Ranks()` with no process group: nothing changes
 
 Decisions are collective: what rank 0 decides alone (`Ranks.decide`) reaches every rank, value or error, and
 local work that may fail on some ranks only runs in `Ranks.together()`, which raises on every rank the error of
-the first rank that failed. So every rank stops with the same error at the same point, and none waits in a
+the lowest rank that failed. So every rank stops with the same error at the same point, and none waits in a
 collective that another rank has left.
 """
 

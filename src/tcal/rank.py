@@ -2,10 +2,10 @@
 
 A multi-device run that nothing else started ranks for (`tcal.distributed.starts_ranks`) runs like this: the
 job's process (a `tcal` run, or one job of `tcal -m`) validates the config and decides what its folder holds,
-once; then `run_ranks` writes the resolved config to a scratch file and starts one process per local device,
-each given RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK and MASTER_ADDR/MASTER_PORT (a free port per job on one
-node). Lightning's default environment sees LOCAL_RANK and treats them as started from outside: it never
-relaunches the command, so a sweep runs once, in one sweep folder, with one folder per job.
+once; then `run_ranks` writes the resolved config to a scratch file and starts one process per device, each
+given RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK and MASTER_ADDR/MASTER_PORT (a free port per job). Lightning's
+default environment sees LOCAL_RANK and treats them as started from outside: it never relaunches the command,
+so a sweep runs once, in one sweep folder, with one folder per job.
 
 The job's process waits for its ranks. When one fails, the others get `STOP_GRACE_S` to stop on their own
 (a shared decision makes every rank raise the same error at once, `tcal.distributed`); those still running
@@ -27,9 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("tcal.rank")  # also when run as __main__
 
-STOP_GRACE_S = 10.0  # how long the other ranks get to stop on their own once one rank failed
+# How long the other ranks get to stop on their own once one rank failed: a rank that raised a shared error is
+# on its way out, but ending a torch process takes seconds on a loaded machine.
+STOP_GRACE_S = 30.0
 KILL_AFTER_S = 10.0  # how long a stopped rank (SIGTERM) gets before SIGKILL
 POLL_S = 0.1
 
@@ -45,19 +47,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def meeting_point(num_nodes: int) -> tuple[str, int, int]:
-    """(address, port, node rank) of the job's process group: this node and a free port on one node; on several
-    nodes (each running `tcal` itself) MASTER_ADDR, MASTER_PORT and NODE_RANK as Lightning reads them."""
+def meeting_point(num_nodes: int) -> tuple[str, int]:
+    """(address, port) of the job's process group: this node and a free port. Ranks on several nodes are
+    started by SLURM: the job processes of separate nodes could not take one decision for all of them."""
     from tcal.errors import ConfigError
 
-    if num_nodes == 1:
-        return "127.0.0.1", free_port(), 0
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if name not in os.environ]
-    if missing:
-        raise ConfigError(f"trainer.num_nodes={num_nodes} without SLURM or torchrun: {', '.join(missing)} not set; "
-                          f"expected MASTER_ADDR and MASTER_PORT of node 0 and this node's NODE_RANK on every node, "
-                          f"or hydra/launcher=slurm_gpu")
-    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["NODE_RANK"])
+    if num_nodes != 1:
+        raise ConfigError(f"trainer.num_nodes={num_nodes} outside SLURM: ranks on several nodes are started by "
+                          f"SLURM (hydra/launcher=slurm_gpu with nodes={num_nodes}); expected trainer.num_nodes=1 "
+                          f"here")
+    return "127.0.0.1", free_port()
 
 
 def job_logging() -> dict | None:
@@ -68,6 +67,8 @@ def job_logging() -> dict | None:
     if not HydraConfig.initialized():
         return None
     hydra = HydraConfig.get()
+    if hydra.job_logging is None:
+        return None
     return {"config": OmegaConf.to_container(hydra.job_logging, resolve=True),
             "verbose": OmegaConf.to_container(hydra.verbose) if OmegaConf.is_config(hydra.verbose) else hydra.verbose}
 
@@ -81,23 +82,20 @@ def run_ranks(cfg, run_dir: Path, resume: bool) -> None:
     from tcal.errors import ConfigError
     from tcal.record import describe, record_failure
 
-    world, nodes = world_size(cfg.trainer), int(cfg.trainer.num_nodes)
-    per_node = world // nodes
-    address, port, node = meeting_point(nodes)
+    world = world_size(cfg.trainer)
+    address, port = meeting_point(int(cfg.trainer.num_nodes))
     with tempfile.TemporaryDirectory(prefix="tcal-ranks-") as scratch:
         spec = Path(scratch) / "job.json"
         spec.write_text(json.dumps({"config": OmegaConf.to_yaml(cfg, resolve=True), "run_dir": str(run_dir),
                                     "resume": bool(resume), "logging": job_logging(), "reports": scratch,
                                     "parent": os.getpid()}), encoding="utf-8")
-        log.info("starting ranks %d-%d of %d (process group at %s:%d)", node * per_node, (node + 1) * per_node - 1,
-                 world, address, port)
-        shared = {**os.environ, "MASTER_ADDR": address, "MASTER_PORT": str(port), "NODE_RANK": str(node),
-                  "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node)}
+        log.info("starting ranks 0-%d of %d (process group at %s:%d)", world - 1, world, address, port)
+        shared = {**os.environ, "MASTER_ADDR": address, "MASTER_PORT": str(port), "NODE_RANK": "0",
+                  "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
         processes: dict[int, subprocess.Popen] = {}
         try:
-            for local in range(per_node):
-                rank = node * per_node + local
-                env = {**shared, "RANK": str(rank), "LOCAL_RANK": str(local)}
+            for rank in range(world):
+                env = {**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)}
                 processes[rank] = subprocess.Popen([sys.executable, "-m", "tcal.rank", str(spec)], env=env,
                                                    stdin=subprocess.DEVNULL)
             failed = wait_for_ranks(processes)
@@ -211,9 +209,10 @@ def main(argv: list[str] | None = None) -> None:
 
     spec = json.loads(Path((argv if argv is not None else sys.argv[1:])[0]).read_text(encoding="utf-8"))
     die_with_parent(int(spec["parent"]))
-    logging_spec = spec["logging"] or {}
-    configure_log(OmegaConf.create(logging_spec["config"]) if logging_spec else None,
-                  logging_spec.get("verbose", False))
+    logging_spec = spec["logging"] or {"config": None, "verbose": False}  # None: Hydra's default, to stdout
+    verbose = logging_spec["verbose"]
+    configure_log(None if logging_spec["config"] is None else OmegaConf.create(logging_spec["config"]),
+                  OmegaConf.create(verbose) if isinstance(verbose, list) else verbose)
     cfg = OmegaConf.create(spec["config"])
     OmegaConf.set_struct(cfg, True)  # as Hydra composes it: a misspelt key is an error, not None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
