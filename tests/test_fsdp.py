@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from tcal.app import CONF_DIR
 from tcal.convert import build_student
 from tcal.evaluate.validation import eval_dataloaders, is_sharded
-from tcal.training.run import ShardedStrategy, unsharded_student
+from tcal.training.run import ShardedStrategy, stage1_key, stage_checkpoint, unsharded_student
 from tcal.training.stages import AlignStage, DistillStage
 
 STEPS = 3
@@ -108,6 +108,32 @@ def test_fsdp_under_bf16_mixed_keeps_float32_rope_buffers(one_rank_group):
     frequencies = [b for name, b in gathered.named_buffers() if name.endswith("inv_freq")]
     assert frequencies and all(b.dtype == torch.float32 for b in frequencies)
     assert all(p.dtype == torch.float32 for p in gathered.parameters())  # float32 weights, autocast compute
+
+
+def test_resume_finds_a_sharded_checkpoint_folder_or_the_one_a_killed_save_moved_aside(tmp_path):
+    folder = tmp_path / "checkpoints" / "distill"
+    assert stage_checkpoint(tmp_path, "distill") is None
+    (folder / "last.ckpt.partial").mkdir(parents=True)  # a save killed while writing: never resumed from
+    assert stage_checkpoint(tmp_path, "distill") is None
+    (folder / "last.ckpt.old").mkdir()  # killed between moving the old one aside and the new one in
+    assert stage_checkpoint(tmp_path, "distill") == folder / "last.ckpt.old"
+    (folder / "last.ckpt").mkdir()
+    assert stage_checkpoint(tmp_path, "distill") == folder / "last.ckpt"
+
+
+def test_stage1_cache_key_tells_precisions_apart():
+    """A bf16-mixed Stage 1 is not a float32 one: the cache must not hand one to the other."""
+    teacher = make_teacher("llama", seed=3)
+    student = build_student(teacher, [0, 2], seed=0)
+    plan = SimpleNamespace(cfg=compose("stage=align").stage, data=SimpleNamespace(windows=torch.zeros(2, 8).long()))
+
+    def key(precision):
+        trainer = SimpleNamespace(precision=precision, devices=1, num_nodes=1, accelerator="cpu")
+        return stage1_key(SimpleNamespace(teacher=teacher, settings=SimpleNamespace(seed=0, trainer=trainer)),
+                          student, plan)
+
+    assert len({key("32-true"), key("bf16-mixed"), key("bf16-true")}) == 3
+    assert key("32-true") == key("32-true")
 
 
 # ------------------------------------------------------------------------------------- 2 processes, command line
