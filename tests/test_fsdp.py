@@ -37,10 +37,14 @@ STEPS = 3
 
 @pytest.fixture
 def one_rank_group():
-    """Lightning's strategy joins a one-process gloo group; it is left for the next test otherwise."""
+    """Lightning's strategy joins a one-process gloo group and sets LOCAL_RANK, NODE_RANK and MASTER_* in the
+    environment (a later `trainer=ddp` subprocess would take itself for an externally launched rank): both undone."""
+    saved = dict(os.environ)
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def train(kind: str, sharded: bool, precision: str = "32-true"):
