@@ -49,7 +49,8 @@ def perplexities(ctx, student) -> dict:
     windows, settings = {}, {}
     for name, docs in eval_sets(ctx.settings.data, ctx.splits).items():
         windows[name] = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
-        settings[name] = {"docs": _docs_digest(docs), "seq_len": int(cfg.seq_len), "num_windows": int(cfg.num_windows)}
+        settings[name] = {"docs": _docs_digest(docs), "seq_len": int(cfg.seq_len), "num_windows": int(cfg.num_windows),
+                          **precision_key(ctx)}
         if buckets:
             settings[name]["position_buckets"] = list(buckets)
 
