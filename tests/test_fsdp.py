@@ -47,13 +47,13 @@ def one_rank_group():
     os.environ.update(saved)
 
 
-def train(kind: str, sharded: bool, precision: str = "32-true"):
-    """(losses per step, the module, the trained student as a plain module) after a token-0 validation and
-    STEPS steps of `kind` on the tiny Llama teacher, on one device or one FSDP rank."""
+def train(kind: str, sharded: bool, precision: str = "32-true", *overrides: str):
+    """(losses per step, clipped norms, the module, the trained student as a plain module) after a token-0
+    validation and STEPS steps of `kind` on the tiny Llama teacher, on one device or one FSDP rank."""
     teacher = make_teacher("llama", seed=3)
     student = build_student(teacher, [0, 2], seed=0)
-    overrides = ["stage.lr=3e-2"] if kind == "align" else ["stage.lr_mixer=3e-2", "stage.lr_rest=3e-2"]
-    cfg = compose(f"stage={kind}", *overrides, "stage.grad_clip=0.05").stage
+    lrs = ["stage.lr=3e-2"] if kind == "align" else ["stage.lr_mixer=3e-2", "stage.lr_rest=3e-2"]
+    cfg = compose(f"stage={kind}", *lrs, "stage.grad_clip=0.05", *overrides).stage
     module = (AlignStage if kind == "align" else DistillStage)(student, teacher, cfg, STEPS, eval_names=["x"])
     losses, norms = [], []
     original_loss = module.loss
@@ -85,10 +85,11 @@ def train(kind: str, sharded: bool, precision: str = "32-true"):
     return losses, norms, module, plain
 
 
-@pytest.mark.parametrize("kind", ["align", "distill"])
-def test_one_fsdp_rank_trains_like_one_device(kind, one_rank_group):
-    losses, norms, module, student = train(kind, sharded=False)
-    sharded_losses, sharded_norms, sharded_module, gathered = train(kind, sharded=True)
+@pytest.mark.parametrize("kind,overrides", [("align", ()), ("distill", ()),
+                                             ("distill", ("stage.activation_checkpointing=true",))])
+def test_one_fsdp_rank_trains_like_one_device(kind, overrides, one_rank_group):
+    losses, norms, module, student = train(kind, False, "32-true", *overrides)
+    sharded_losses, sharded_norms, sharded_module, gathered = train(kind, True, "32-true", *overrides)
     assert len(losses) == STEPS and min(norms) > 0.05  # every step's update was clipped
     assert sharded_losses == pytest.approx(losses, rel=1e-6, abs=1e-9)
     assert sharded_norms == pytest.approx(norms, rel=1e-6)
@@ -107,7 +108,7 @@ def test_one_fsdp_rank_trains_like_one_device(kind, one_rank_group):
 
 
 def test_fsdp_under_bf16_mixed_keeps_float32_rope_buffers(one_rank_group):
-    losses, _, _, gathered = train("distill", sharded=True, precision="bf16-mixed")
+    losses, _, _, gathered = train("distill", True, "bf16-mixed")
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
     frequencies = [b for name, b in gathered.named_buffers() if name.endswith("inv_freq")]
     assert frequencies and all(b.dtype == torch.float32 for b in frequencies)
