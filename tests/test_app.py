@@ -164,8 +164,7 @@ def test_paper_experiments_hold_the_paper_settings(name):
     cfg = compose(f"experiment={name}")
     assert cfg.teacher.name == name.split("_uniform")[0]
     assert (cfg.retention.name, cfg.retention.ratio) == ("uniform", 0.25)
-    assert (cfg.data.name, cfg.logger.name, cfg.trainer.strategy) == ("fineweb_edu", "wandb", "deepspeed_stage_2")
-    assert dict(cfg.trainer.stage_strategy) == {"align": "deepspeed_stage_1", "distill": "deepspeed_stage_2"}
+    assert (cfg.data.name, cfg.logger.name, cfg.trainer.strategy) == ("fineweb_edu", "wandb", "fsdp")
     align, distill, gpus = cfg.stage.align, cfg.stage.distill, cfg.trainer.devices
     assert list(cfg.stage.sequence) == ["align", "distill"]
     assert (align.max_tokens, align.seq_len, align.batch_size * gpus) == (100_000_000, 512, 96)

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from tcal.app import CONF_DIR
 from tcal.convert import build_student
 from tcal.evaluate.validation import eval_dataloaders, is_sharded
-from tcal.training.run import ShardedStrategy, unsharded_student
+from tcal.training.run import ShardedStrategy, stage1_key, stage_checkpoint, unsharded_student
 from tcal.training.stages import AlignStage, DistillStage
 
 STEPS = 3
@@ -37,19 +37,23 @@ STEPS = 3
 
 @pytest.fixture
 def one_rank_group():
-    """Lightning's strategy joins a one-process gloo group; it is left for the next test otherwise."""
+    """Lightning's strategy joins a one-process gloo group and sets LOCAL_RANK, NODE_RANK and MASTER_* in the
+    environment (a later `trainer=ddp` subprocess would take itself for an externally launched rank): both undone."""
+    saved = dict(os.environ)
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
-def train(kind: str, sharded: bool, precision: str = "32-true"):
-    """(losses per step, the module, the trained student as a plain module) after a token-0 validation and
-    STEPS steps of `kind` on the tiny Llama teacher, on one device or one FSDP rank."""
+def train(kind: str, sharded: bool, precision: str = "32-true", *overrides: str):
+    """(losses per step, clipped norms, the module, the trained student as a plain module) after a token-0
+    validation and STEPS steps of `kind` on the tiny Llama teacher, on one device or one FSDP rank."""
     teacher = make_teacher("llama", seed=3)
     student = build_student(teacher, [0, 2], seed=0)
-    overrides = ["stage.lr=3e-2"] if kind == "align" else ["stage.lr_mixer=3e-2", "stage.lr_rest=3e-2"]
-    cfg = compose(f"stage={kind}", *overrides, "stage.grad_clip=0.05").stage
+    lrs = ["stage.lr=3e-2"] if kind == "align" else ["stage.lr_mixer=3e-2", "stage.lr_rest=3e-2"]
+    cfg = compose(f"stage={kind}", *lrs, "stage.grad_clip=0.05", *overrides).stage
     module = (AlignStage if kind == "align" else DistillStage)(student, teacher, cfg, STEPS, eval_names=["x"])
     losses, norms = [], []
     original_loss = module.loss
@@ -81,10 +85,11 @@ def train(kind: str, sharded: bool, precision: str = "32-true"):
     return losses, norms, module, plain
 
 
-@pytest.mark.parametrize("kind", ["align", "distill"])
-def test_one_fsdp_rank_trains_like_one_device(kind, one_rank_group):
-    losses, norms, module, student = train(kind, sharded=False)
-    sharded_losses, sharded_norms, sharded_module, gathered = train(kind, sharded=True)
+@pytest.mark.parametrize("kind,overrides", [("align", ()), ("distill", ()),
+                                             ("distill", ("stage.activation_checkpointing=true",))])
+def test_one_fsdp_rank_trains_like_one_device(kind, overrides, one_rank_group):
+    losses, norms, module, student = train(kind, False, "32-true", *overrides)
+    sharded_losses, sharded_norms, sharded_module, gathered = train(kind, True, "32-true", *overrides)
     assert len(losses) == STEPS and min(norms) > 0.05  # every step's update was clipped
     assert sharded_losses == pytest.approx(losses, rel=1e-6, abs=1e-9)
     assert sharded_norms == pytest.approx(norms, rel=1e-6)
@@ -103,11 +108,37 @@ def test_one_fsdp_rank_trains_like_one_device(kind, one_rank_group):
 
 
 def test_fsdp_under_bf16_mixed_keeps_float32_rope_buffers(one_rank_group):
-    losses, _, _, gathered = train("distill", sharded=True, precision="bf16-mixed")
+    losses, _, _, gathered = train("distill", True, "bf16-mixed")
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
     frequencies = [b for name, b in gathered.named_buffers() if name.endswith("inv_freq")]
     assert frequencies and all(b.dtype == torch.float32 for b in frequencies)
     assert all(p.dtype == torch.float32 for p in gathered.parameters())  # float32 weights, autocast compute
+
+
+def test_resume_finds_a_sharded_checkpoint_folder_or_the_one_a_killed_save_moved_aside(tmp_path):
+    folder = tmp_path / "checkpoints" / "distill"
+    assert stage_checkpoint(tmp_path, "distill") is None
+    (folder / "last.ckpt.partial").mkdir(parents=True)  # a save killed while writing: never resumed from
+    assert stage_checkpoint(tmp_path, "distill") is None
+    (folder / "last.ckpt.old").mkdir()  # killed between moving the old one aside and the new one in
+    assert stage_checkpoint(tmp_path, "distill") == folder / "last.ckpt.old"
+    (folder / "last.ckpt").mkdir()
+    assert stage_checkpoint(tmp_path, "distill") == folder / "last.ckpt"
+
+
+def test_stage1_cache_key_tells_precisions_apart():
+    """A bf16-mixed Stage 1 is not a float32 one: the cache must not hand one to the other."""
+    teacher = make_teacher("llama", seed=3)
+    student = build_student(teacher, [0, 2], seed=0)
+    plan = SimpleNamespace(cfg=compose("stage=align").stage, data=SimpleNamespace(windows=torch.zeros(2, 8).long()))
+
+    def key(precision):
+        trainer = SimpleNamespace(precision=precision, devices=1, num_nodes=1, accelerator="cpu")
+        return stage1_key(SimpleNamespace(teacher=teacher, settings=SimpleNamespace(seed=0, trainer=trainer)),
+                          student, plan)
+
+    assert len({key("32-true"), key("bf16-mixed"), key("bf16-true")}) == 3
+    assert key("32-true") == key("32-true")
 
 
 # ------------------------------------------------------------------------------------- 2 processes, command line

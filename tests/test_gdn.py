@@ -460,3 +460,16 @@ def test_matches_fla_triton_kernels_under_interpreter(tmp_path):
     assert_close(x.grad, lay["x_grad"], **tol, what="layer dx")
     for name, p in gdn.named_parameters():
         assert_close(p.grad, lay["param_grads"][name], atol=1e-4, rtol=1e-3, what=f"layer d{name}")
+
+
+def test_fla_kernel_inputs_follow_autocast():
+    """Under bf16-mixed (autocast) fla's kernel gets bfloat16 q, k, v and beta, like the matmuls around it; without
+    autocast they pass unchanged (the CPU path computes in float32 either way)."""
+    from tcal.gdn import kernel_inputs
+
+    q, k, v, beta = (torch.randn(1, 4, 2, 8) for _ in range(4))
+    assert all(out is t for out, t in zip(kernel_inputs(q, k, v, beta), (q, k, v, beta)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = kernel_inputs(q, k, v, beta)
+    assert [t.dtype for t in cast] == [torch.bfloat16] * 4
+    assert torch.equal(cast[0], q.to(torch.bfloat16))

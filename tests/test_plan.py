@@ -111,7 +111,7 @@ def test_plan_text_names_every_stage_and_the_converted_layers(capsys):
     main([f"experiment={PAPER_EXPERIMENTS['qwen2_5_1_5b']}"])
     out = capsys.readouterr().out
     assert "keep [0, 4, 8, 12, 16, 20, 24]" in out and "21 converted to Gated DeltaNet" in out
-    for word in ("calibration", "align", "distill", "deepspeed_stage_1", "deepspeed_stage_2", "peak GB", "fits"):
+    for word in ("calibration", "align", "distill", "fsdp", "peak GB", "fits"):
         assert word in out
 
 
@@ -131,16 +131,10 @@ def distill_memory(*overrides):
 
 def test_strategies_shard_what_they_say():
     ddp = distill_memory("trainer=ddp", "trainer.devices=8", "trainer.precision=bf16-mixed")
-    ds1, ds2, ds3 = (distill_memory("trainer=deepspeed", "trainer.devices=8",
-                                    f"trainer.stage_strategy.distill=deepspeed_stage_{n}") for n in (1, 2, 3))
     fsdp = distill_memory("trainer=fsdp", "trainer.devices=8")
-    assert ds1.optimizer == ddp.optimizer // 8 and ds1.gradients == ddp.gradients and ds1.weights == ddp.weights
-    assert ds2.optimizer == ds1.optimizer and ds2.gradients == ds1.gradients // 8 and ds2.weights == ds1.weights
-    assert ds3.weights == ds1.weights // 8
+    assert fsdp.optimizer == ddp.optimizer // 8
     assert ddp.buffers == ddp.gradients  # DDP's bucket copy of the gradients
-    assert (fsdp.weights, fsdp.gradients, fsdp.optimizer) == (ds1.weights, ds1.gradients, ds1.optimizer)
-    assert any("one FSDP unit" in note for note in fsdp.notes)
-    assert ddp.teacher == ds2.teacher == fsdp.teacher  # the frozen teacher is whole on every device
+    assert ddp.teacher == fsdp.teacher  # the frozen teacher is whole on every device
 
 
 def test_optimizer_and_weight_bytes_follow_the_precision():

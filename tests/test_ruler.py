@@ -128,3 +128,22 @@ def test_a_run_with_ruler_records_teacher_and_student_and_caches_the_teacher(tmp
     second = run(compose(*overrides, "seed=1"), tmp_path / "second")
     assert second["ruler"]["teacher"] == first["ruler"]["teacher"]
     assert any(m.startswith("cache teacher_eval: reused ruler-") for m in caplog.messages)
+
+
+def test_ranks_shares_of_the_examples_add_up_to_one_process(documents, tokenizer):
+    """RULER over 2 ranks: each generates every 2nd example of each task; their hit counts sum to one process's."""
+    from tcal.distributed import Ranks
+    from tcal.evaluate.ruler import ruler_hits
+
+    def reply(prompt):  # right on some examples, wrong on others: the sums must come from the right ranks
+        return solve(prompt) if len(prompt) % 3 else "42"
+
+    kwargs = dict(lengths=(512,), tasks=TASKS, n=5, seed=0, max_new_tokens=64)
+    model = ScriptedModel(tokenizer, reply)
+    whole = ruler_hits(model, tokenizer, documents, **kwargs)
+    shares = [ruler_hits(model, tokenizer, documents, **kwargs, share=Ranks(rank, 2).share) for rank in (0, 1)]
+    assert {key: [a + b for a, b in zip(shares[0][key], shares[1][key])] for key in whole} == whole
+    assert all(total == 5 for _, total in whole.values()) and [s[(512, TASKS[0])][1] for s in shares] == [3, 2]
+    assert 0 < sum(hits for hits, _ in whole.values()) < 5 * len(TASKS)  # a mix of hits and misses
+    scores = score_ruler(model, tokenizer, documents, **kwargs, ranks=Ranks())
+    assert scores == {"512": {task: whole[(512, task)][0] / 5 for task in TASKS}}

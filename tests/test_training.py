@@ -424,6 +424,6 @@ def test_sigkill_and_resume_from_the_command_line(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("trainer", ["gpu", "fsdp", "deepspeed"])
+@pytest.mark.parametrize("trainer", ["gpu", "fsdp"])
 def test_gpu_trainers_fail_before_any_work_without_a_gpu(tmp_path, trainer):
     _fails(tmp_path, r"trainer.accelerator='gpu' .*no GPU is visible", f"trainer={trainer}", "stage=distill")

@@ -49,6 +49,16 @@ def recurrent_step(q, k, v, g, beta, state, scale, in_place: bool = False):
     return ((q * scale).unsqueeze(-2) @ state).squeeze(-2), state
 
 
+def kernel_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v, beta as fla's kernel takes them: in autocast's dtype when autocast is on for their device (bf16-mixed
+    runs the kernel in bfloat16, as the matmuls around it; its state and log decay stay float32), else unchanged."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, update_state: bool = False):
     """o_t = S_t q_t / sqrt(K), S_t = exp(g_t)(S_{t-1} - beta_t S_{t-1} k_t k_t^T) + beta_t v_t k_t^T.
 
@@ -68,6 +78,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=Fa
     if q.is_cuda:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+        q, k, v, beta = kernel_inputs(q, k, v, beta)
         o, state = chunk_gated_delta_rule(
             q, k, v, g=g.float(), beta=beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,

@@ -142,27 +142,41 @@ def normalize_answer(text: str) -> str:
 
 
 def score_ruler(model, tokenizer, documents: list[str], lengths=DEFAULT_LENGTHS, tasks=TASKS, n: int = 20,
-                seed: int = 0, max_new_tokens: int | None = None, desc: str | None = None
+                seed: int = 0, max_new_tokens: int | None = None, desc: str | None = None, ranks=None
                 ) -> dict[str, dict[str, float]]:
     """Exact-match accuracy of greedy generation: {str(length): {task: score}}.
 
     Without `max_new_tokens`, each example may generate its answer's token count plus 8. With `desc`, a progress
-    bar counts the examples.
+    bar counts the examples. With `ranks` (`tcal.distributed.Ranks`, every rank calling), each rank generates its
+    share of every task's examples and the hit counts are summed over the ranks: every rank gets the scores.
     """
-    device = getattr(model, "device", "cpu")
+    counts = ruler_hits(model, tokenizer, documents, lengths, tasks, n, seed, max_new_tokens, desc,
+                        share=ranks.share if ranks is not None else list)
+    if ranks is not None and ranks.distributed:
+        parts = ranks.merge({ranks.rank: counts})
+        counts = {key: [sum(parts[r][key][i] for r in parts) for i in (0, 1)] for key in counts}
     scores: dict[str, dict[str, float]] = {}
-    with tqdm(total=len(lengths) * len(tasks) * n, desc=desc, disable=desc is None, unit="example") as bar:
+    for (length, task), (hits, total) in counts.items():
+        scores.setdefault(str(length), {})[task] = hits / total if total else float("nan")
+    return scores
+
+
+def ruler_hits(model, tokenizer, documents: list[str], lengths, tasks, n: int, seed: int,
+               max_new_tokens: int | None = None, desc: str | None = None, share=list) -> dict[tuple, list[int]]:
+    """{(length, task): [exact matches, examples]} over `share(examples)` of each task (all of them by default)."""
+    device = getattr(model, "device", "cpu")
+    counts: dict[tuple, list[int]] = {}
+    per_task = len(share(list(range(n))))  # this rank's examples of each task
+    with tqdm(total=len(lengths) * len(tasks) * per_task, desc=desc, disable=desc is None, unit="example") as bar:
         for length in lengths:
-            scores[str(length)] = {}
             for task in tasks:
                 bar.set_postfix_str(f"{task} @ {length}")
-                hits = []
-                for example in make_ruler_examples(documents, tokenizer, length, task, n, seed):
-                    hits.append(_generate(model, tokenizer, example, device, max_new_tokens)
-                                == normalize_answer(example["answer"]))
-                    bar.update()
-                scores[str(length)][task] = sum(hits) / len(hits) if hits else float("nan")
-    return scores
+                mine = share(make_ruler_examples(documents, tokenizer, length, task, n, seed))
+                hits = sum(_generate(model, tokenizer, example, device, max_new_tokens)
+                           == normalize_answer(example["answer"]) for example in mine)
+                counts[(length, task)] = [int(hits), len(mine)]
+                bar.update(len(mine))
+    return counts
 
 
 @torch.no_grad()

@@ -1,13 +1,17 @@
 """Zero-shot evaluation of teacher and student: perplexity per eval set, the lm-eval harness, RULER.
 
-Perplexity is Lightning validation over all of the run's ranks (`tcal.evaluate.validation`); the harness and
-RULER generate on rank 0's device. The teacher's figures depend only on the teacher, the eval data and the
+Perplexity is Lightning validation over all of the run's ranks (`tcal.evaluate.validation`); RULER splits its
+examples over the ranks and sums their hits; the harness generates on rank 0's device. RULER and the harness run
+under autocast per `trainer.precision`, as validation does. The teacher's figures depend only on the teacher, the eval data and the
 settings, so they are cached on disk (`paths.cache_dir/teacher_eval`): a sweep computes them once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+
+import torch
 
 from tcal.cache import get_or_build, json_codec
 from tcal.data import Document, eval_sets, token_windows
@@ -45,7 +49,8 @@ def perplexities(ctx, student) -> dict:
     windows, settings = {}, {}
     for name, docs in eval_sets(ctx.settings.data, ctx.splits).items():
         windows[name] = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
-        settings[name] = {"docs": _docs_digest(docs), "seq_len": int(cfg.seq_len), "num_windows": int(cfg.num_windows)}
+        settings[name] = {"docs": _docs_digest(docs), "seq_len": int(cfg.seq_len), "num_windows": int(cfg.num_windows),
+                          **precision_key(ctx)}
         if buckets:
             settings[name]["position_buckets"] = list(buckets)
 
@@ -100,17 +105,19 @@ def harness(ctx, student) -> dict | None:
 
     def run(model):
         out = {}
-        for tasks, shots in runs:
-            out.update(local_tasks.run_harness(model, ctx.tokenizer, tasks, include, int(cfg.batch_size),
-                                               int(cfg.max_length), cfg.limit, shots, offline))
+        with in_run_precision(ctx):
+            for tasks, shots in runs:
+                out.update(local_tasks.run_harness(model, ctx.tokenizer, tasks, include, int(cfg.batch_size),
+                                                   int(cfg.max_length), cfg.limit, shots, offline))
         return out
 
-    settings = {**plain(cfg), "docs": _docs_digest(docs)}
+    settings = {**plain(cfg), "docs": _docs_digest(docs), **precision_key(ctx)}
     return {"teacher": cached_teacher(ctx, "harness", settings, lambda: run(ctx.teacher)), "student": run(student)}
 
 
 def ruler(ctx, student) -> dict | None:
-    """{"teacher": {length: {task: score}}, "student": {...}} or None when `eval.ruler.name` is none."""
+    """{"teacher": {length: {task: score}}, "student": {...}} or None when `eval.ruler.name` is none. Every rank
+    calls this: each generates its share of the examples (`score_ruler` with the run's ranks)."""
     from tcal.evaluate.ruler import score_ruler
 
     cfg = ctx.settings.eval.ruler
@@ -119,22 +126,41 @@ def ruler(ctx, student) -> dict | None:
     docs = [d.text for d in ctx.splits.evaluation]
 
     def run(model, role):
-        return score_ruler(model, ctx.tokenizer, docs, tuple(cfg.lengths), tuple(cfg.tasks), int(cfg.n), int(cfg.seed),
-                           desc=f"RULER {role}")
+        with in_run_precision(ctx):
+            return score_ruler(model, ctx.tokenizer, docs, tuple(cfg.lengths), tuple(cfg.tasks), int(cfg.n),
+                               int(cfg.seed), desc=f"RULER {role}" if ctx.ranks.is_main else None, ranks=ctx.ranks)
 
-    settings = {**plain(cfg), "docs": _docs_digest(ctx.splits.evaluation)}
-    return {"teacher": cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher, "teacher")),
+    settings = {**plain(cfg), "docs": _docs_digest(ctx.splits.evaluation), **precision_key(ctx)}
+    return {"teacher": cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher, "teacher"), collective=True),
             "student": run(student, "student")}
+
+
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def in_run_precision(ctx):
+    """Autocast as the training stages and validation compute under `trainer.precision` (`bf16-mixed`: bfloat16
+    matmuls and GDN kernel inputs, float32 weights); nothing under `32-true` and the `-true` precisions."""
+    dtype = AUTOCAST_DTYPES.get(str(ctx.settings.trainer.precision))
+    return torch.autocast(ctx.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def precision_key(ctx) -> dict:
+    """The precision in a cached teacher figure's settings when autocast changes it (none under 32-true, so the
+    float32 entries keep their keys)."""
+    precision = str(ctx.settings.trainer.precision)
+    return {"precision": precision} if precision in AUTOCAST_DTYPES else {}
 
 
 def evaluate(ctx, student) -> dict:
     """The results.json entries of the zero-shot evaluation, `metrics`, `harness` and `ruler` (their fields:
-    `tcal.record`; ranks other than 0 return after the perplexities)."""
+    `tcal.record`). Perplexity and RULER run on every rank, each its share; the harness on rank 0, whose result
+    the other ranks do not keep."""
     out = {"metrics": perplexities(ctx, student)}
+    ruler_scores = ruler(ctx, student)
     if not ctx.ranks.is_main:
         return out
-    for name, fn in (("harness", harness), ("ruler", ruler)):
-        value = fn(ctx, student)
+    for name, value in (("harness", harness(ctx, student)), ("ruler", ruler_scores)):
         if value is not None:
             out[name] = value
     return out

@@ -73,10 +73,13 @@ def plan_stages(ctx) -> list[StagePlan]:
 
 def stage1_key(ctx, student, plan: StagePlan) -> str:
     """Everything a finished Stage 1 depends on: teacher, keep list, the GDN layers' starting weights, the stage
-    settings, its training windows, the seed and the number of ranks."""
+    settings, its training windows, the seed, the number of ranks and, when it is not 32-true (whose entries keep
+    their keys), the precision. The strategy is not in it: FSDP gives DDP's Stage 1 (tests/test_fsdp.py)."""
     gdn_start = [tensor_bytes(t) for t in gdn_state(student).values()]
+    precision = str(ctx.settings.trainer.precision)
     return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, stage1_settings(plan.cfg),
-                  tensor_bytes(plan.data.windows), int(ctx.settings.seed), world_size(ctx.settings.trainer))
+                  tensor_bytes(plan.data.windows), int(ctx.settings.seed), world_size(ctx.settings.trainer),
+                  *([precision] if precision != "32-true" else []))
 
 
 def stage1_settings(cfg) -> dict:

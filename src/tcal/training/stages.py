@@ -217,7 +217,7 @@ class StageModule(PerplexityValidation):
 
     def on_fit_end(self) -> None:
         """A fit resumed from a checkpoint of its last step trains nothing and skips on_train_end: gather here."""
-        if not self.rank_weight_digests and not is_sharded(self.student):
+        if not self.rank_weight_digests:
             self.on_train_end()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
