@@ -93,6 +93,12 @@ def fits(value, hint) -> bool:
     return not isinstance(origin, type) or isinstance(value, origin)
 
 
+def shown(value) -> str:
+    """A value as an error message shows it: its repr when short and on one line, else `<...>`."""
+    text = repr(value)
+    return text if len(text) <= 60 and "\n" not in text else "<...>"
+
+
 def step(function):
     """A public step of the library: arguments checked against its annotations (TypeError naming the argument),
     signals handled (`tcal.signals`)."""
@@ -108,8 +114,8 @@ def step(function):
         for name, value in bound.arguments.items():
             hint = hints.get(name)
             if hint is not None and not fits(value, hint):
-                raise TypeError(f"api.{function.__name__}: {name}={value!r:.80} (a {type(value).__name__}); expected "
-                                f"{expected(hint)}")
+                raise TypeError(f"api.{function.__name__}: {name}={shown(value)} (a {type(value).__name__}); "
+                                f"expected {expected(hint)}")
         with handling():
             return function(*args, **kwargs)
 

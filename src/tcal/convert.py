@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from tcal.config import derived_seed
 from tcal.gdn import GatedDeltaNet
 from tcal.hybrid import LINEAR, HybridConfig, HybridForCausalLM, teacher_layer_types
 from tcal.teachers import adapter_for
@@ -78,7 +79,7 @@ def convert_layer(gdn, attention, adapter, config, gqa_expansion: str, generator
 
 def layer_generator(seed: int, layer: int) -> torch.Generator:
     """One RNG per layer, so a layer's naive init does not depend on which other layers are converted."""
-    return torch.Generator().manual_seed(int(seed) * 100_003 + layer)
+    return torch.Generator().manual_seed(derived_seed(seed, 100_003, layer))
 
 
 def naive_gdn(teacher, layer: int, gqa_expansion: str = "whole_head", seed: int = 0) -> GatedDeltaNet:

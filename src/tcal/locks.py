@@ -49,11 +49,10 @@ def _claim(handle, path: Path) -> None:
     if earlier and (earlier.get("pid"), earlier.get("host")) != (os.getpid(), socket.gethostname()):
         log.info("%s: taking over the stale hold of %s (that process no longer holds it)", path,
                  describe_holder(earlier))
-    handle.seek(0)
-    handle.truncate()
-    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
-                             "command": " ".join(sys.argv)[:500]}))
-    handle.flush()
+    claim = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                        "command": " ".join(sys.argv)[:500]})
+    os.ftruncate(handle.fileno(), 0)
+    os.pwrite(handle.fileno(), claim.encode(), 0)
 
 
 @contextlib.contextmanager
@@ -65,7 +64,7 @@ def locked(path: str | Path, wait: bool = True, on_wait: Callable[[dict], None] 
         yield True
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+", encoding="utf-8") as handle:
+    with open(path, "ab", buffering=0) as handle:  # unbuffered: nothing left to flush on a full disk
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -76,10 +75,10 @@ def locked(path: str | Path, wait: bool = True, on_wait: Callable[[dict], None] 
                 on_wait(holder_of(path))
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            _claim(handle, path)
+            with contextlib.suppress(OSError):  # who holds it is a courtesy: a full disk does not stop the lock
+                _claim(handle, path)
             yield True
         finally:
             with contextlib.suppress(OSError):
-                handle.seek(0)
-                handle.truncate()
+                os.ftruncate(handle.fileno(), 0)
             fcntl.flock(handle, fcntl.LOCK_UN)

@@ -408,7 +408,11 @@ def records_failure(run):
             ranks = kwargs.get("ranks")
             if ranks is not None and not ranks.is_main:
                 raise  # rank 0 writes the record
-            path = record_failure(run_dir, err, cfg, create=isinstance(err, (KeyboardInterrupt, Interrupted)))
+            try:
+                path = record_failure(run_dir, err, cfg, create=isinstance(err, (KeyboardInterrupt, Interrupted)))
+            except OSError as unwritten:  # a full disk: the error that stopped the run is the one to report
+                log.error("run failed: %s; its record could not be updated: %s", describe(err), unwritten)
+                raise err from None
             if path is not None:
                 log.error("run failed: %s (record: %s)", describe(err), path)
             raise

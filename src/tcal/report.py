@@ -16,6 +16,7 @@ import fnmatch
 import io
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -42,11 +43,13 @@ Table = tuple[list[str], list[list[str]]]
 def fmt_ppl(x: float | None) -> str:
     if x is None:
         return MISSING
+    if not math.isfinite(x):
+        return "non-finite"
     return f"{x:,.1f}" if x > 1000 else f"{x:.2f}"
 
 
 def fmt_ratio(x: float | None, bound: str = "") -> str:
-    if x is None:
+    if x is None or math.isnan(x):
         return "n/a"
     return f"{bound}inf" if math.isinf(x) else f"{bound}{x:.2f}x"
 
@@ -138,17 +141,24 @@ def _normalize(path: Path, data: dict) -> Run:
     )
 
 
+def _number(value) -> float:
+    """A recorded number; null (a NaN or infinite value, `tcal.record`) is NaN here: shown as non-finite."""
+    return math.nan if value is None else float(value)
+
+
 def _position_bucket(bucket: dict) -> dict:
-    return {"start": int(bucket["start"]), "end": int(bucket["end"]), "teacher_ppl": float(bucket["teacher_ppl"]),
-            "student_ppl": float(bucket["student_ppl"])}
+    return {"start": int(bucket["start"]), "end": int(bucket["end"]), "teacher_ppl": _number(bucket["teacher_ppl"]),
+            "student_ppl": _number(bucket["student_ppl"])}
 
 
 def _curve_points(curve: dict) -> list[tuple[int, dict[str, float]]]:
-    """results.json's {eval set: [{"tokens", "ppl"}, ...]} as [(tokens, {eval set: ppl}), ...] by tokens."""
+    """results.json's {eval set: [{"tokens", "ppl"}, ...]} as [(tokens, {eval set: ppl}), ...] by tokens; a point
+    recorded as null (non-finite: the stage diverged there) has no value to plot or reach and is left out."""
     by_tokens: dict[int, dict[str, float]] = {}
     for eval_set, points in curve.items():
         for point in points:
-            by_tokens.setdefault(int(point["tokens"]), {})[eval_set] = float(point["ppl"])
+            if point["ppl"] is not None:
+                by_tokens.setdefault(int(point["tokens"]), {})[eval_set] = float(point["ppl"])
     return sorted(by_tokens.items())
 
 
@@ -172,12 +182,31 @@ class Collected:
     damaged: list[RecordError] = field(default_factory=list)
 
 
+def record_paths(folder: Path) -> list[Path]:
+    """Every results.json below `folder`, following symlinked folders (a sweep linked into a project folder) and
+    listing each record once however many links reach it; a link that loops back is followed once."""
+    found, seen_dirs, seen_files = [], set(), set()
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen_dirs:
+            dirs[:] = []
+            continue
+        seen_dirs.add(real)
+        dirs.sort()
+        if RESULTS in files:
+            path = Path(root) / RESULTS
+            if os.path.realpath(path) not in seen_files:
+                seen_files.add(os.path.realpath(path))
+                found.append(path)
+    return sorted(found)
+
+
 def collect(folder: Path) -> Collected:
     """Every results.json below `folder`, sorted out. Runs of the same group, init and stage that differ in a
     setting that changes the student (a sweep over `calibration.seq_len`, say) each get those settings as their
     variant; of two that differ in none, the second is listed as incomplete."""
     found, usable = Collected(), []
-    for path in sorted(Path(folder).rglob(RESULTS)):
+    for path in record_paths(Path(folder)):
         try:
             usable.append(load_run(path))
         except RecordError as err:
@@ -186,6 +215,8 @@ def collect(folder: Path) -> Collected:
             found.failed.append((path, str(err)))
         except IncompleteRun as err:
             found.incomplete.append((path, str(err)))
+        except (TypeError, ValueError, KeyError, ZeroDivisionError) as err:  # one odd record never hides the others
+            found.incomplete.append((path, f"cannot be reported ({type(err).__name__}: {err})"))
     alike: dict[tuple, list[Run]] = {}
     for run in usable:
         alike.setdefault((run.group, run.init, run.stage), []).append(run)

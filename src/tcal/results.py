@@ -47,11 +47,16 @@ class WriteFailed(OSError):
     """The filesystem refused a write (full disk, read-only, permissions): one line naming the path and the cause;
     the previous content of the target is whole."""
 
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
+
 
 def write_failure(path: Path, err: OSError) -> WriteFailed:
     cause = err.strerror or type(err).__name__
     code = f" ({errno.errorcode.get(err.errno, err.errno)})" if err.errno else ""
-    return WriteFailed(err.errno, f"cannot write {path}: {cause}{code}; the previous content is kept")
+    failed = WriteFailed(f"cannot write {path}: {cause}{code}; the previous content is kept")
+    failed.errno, failed.filename = err.errno, str(path)
+    return failed
 
 
 def in_the_way(folder: Path) -> Path | None:

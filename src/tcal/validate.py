@@ -322,6 +322,8 @@ def check_trainer(cfg) -> None:
         raise ConfigError(f"trainer.accelerator={accelerator!r} (strategy {strategy!r}) needs a GPU, but no GPU is "
                           f"visible here (torch.cuda.device_count() == 0); expected trainer=cpu on this machine")
     devices = trainer.get("devices", 1)
+    check_devices(devices)
+    positive_int("trainer.num_nodes", trainer.get("num_nodes", 1))
     if wants_gpu and isinstance(devices, int) and devices > gpus:
         raise ConfigError(f"trainer.devices={devices}; only {gpus} GPUs are visible")
     if accelerator == "cpu" and precision in ("16-mixed", "16"):
@@ -329,6 +331,25 @@ def check_trainer(cfg) -> None:
                           f"bf16-mixed or bf16-true")
     if wants_gpu and "bf16" in precision and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"trainer.precision={precision!r}: this GPU has no bfloat16; expected 16-mixed or 32-true")
+
+
+def check_devices(devices) -> None:
+    """What Lightning takes for `devices`: a count >= 1, -1 or "auto" (all), or a non-empty list of device ids."""
+    if isinstance(devices, str) and devices.strip() in ("auto", "-1"):
+        return
+    if isinstance(devices, str):
+        parts = [p.strip() for p in devices.split(",") if p.strip()]
+        ids = [int(p) for p in parts if p.isdigit()]
+        ok = len(ids) == len(parts) > 0 and (len(ids) > 1 or devices.strip().endswith(",") or ids[0] >= 1)
+    elif isinstance(devices, (list, tuple, ListConfig)):
+        ids = list(devices)
+        ok = bool(ids) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) \
+            and len(set(ids)) == len(ids)
+    else:
+        ok = isinstance(devices, int) and not isinstance(devices, bool) and (devices >= 1 or devices == -1)
+    if not ok:
+        raise ConfigError(f"trainer.devices={devices!r}; expected a number of devices >= 1, -1 or auto (every "
+                          f"device), or a non-empty list of device ids such as [0,1]")
 
 
 def check_teacher(cfg) -> None:
@@ -394,9 +415,12 @@ def check_paths(cfg) -> None:
                           f"can write") from None
 
 
+SEED_LIMIT = 2 ** 64  # torch.manual_seed's range; the seeds derived from it are folded into it (tcal.config)
+
+
 def check_seed(cfg) -> None:
-    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
-        raise ConfigError(f"seed={cfg.seed!r}; expected an integer >= 0")
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < SEED_LIMIT:
+        raise ConfigError(f"seed={cfg.seed!r}; expected an integer in [0, 2**64)")
 
 
 # ------------------------------------------------------------------------------------------------ teacher shape
@@ -450,7 +474,21 @@ def check_lengths(cfg, context: int | None) -> None:
 def check_teacher_shape(cfg, num_layers: int | None, context: int | None) -> None:
     if num_layers is not None:
         check_retention(cfg, num_layers)
+        check_layers_to_align(cfg, num_layers)
     check_lengths(cfg, context)
+
+
+def check_layers_to_align(cfg, num_layers: int) -> None:
+    """Stage 1 trains the converted layers: a keep list holding every layer leaves it nothing to align."""
+    if "align" not in [kind for kind, _, _ in stages_of(cfg.stage)]:
+        return
+    ret = cfg.retention
+    kept = len(set(ret.keep)) if ret.name == "explicit" else num_kept(ret.ratio, num_layers)
+    if kept >= num_layers:
+        what = f"retention.keep={list(ret.keep)}" if ret.name == "explicit" else f"retention.ratio={ret.ratio}"
+        raise ConfigError(f"stage={cfg.stage.name}: Stage 1 aligns the converted layers, but {what} keeps all "
+                          f"{num_layers} layers of the teacher; expected a keep list that converts at least one layer, "
+                          f"or stage=distill")
 
 
 # ------------------------------------------------------------------------------------------------ entries

@@ -20,6 +20,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from tcal.config import derived_seed
 from tcal.data import Document, token_stream
 from tcal.errors import ConfigError
 
@@ -44,7 +45,7 @@ class EpochWindows(Dataset):
 
     def order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            gen = torch.Generator().manual_seed(derived_seed(self.seed, 1_000_003, epoch))
             self._orders[epoch] = torch.randperm(len(self.windows), generator=gen)
         return self._orders[epoch]
 

@@ -1,0 +1,84 @@
+"""The library is the CLI's equal: each step of `tcal.api` checks its argument types (a TypeError naming the step,
+the argument and what it expected, never an internal AttributeError) and makes `tcal`'s checks of the settings it
+reads, also against the loaded teacher's context (eval.seq_len, RULER lengths, stage and calibration lengths)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import repo_cache_dir
+
+from tcal import api
+from tcal.config import (
+    DataSettings,
+    DistillSettings,
+    EvalSettings,
+    NeedleRulerSettings,
+    RetentionSettings,
+    TrainerSettings,
+    init_settings,
+    tiny_teacher,
+)
+from tcal.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """A tiny random teacher of 4,096 tokens of context, its data and a student keeping layers 0 and 2."""
+    teacher = api.load_teacher(tiny_teacher(), repo_cache_dir())
+    assert teacher.model.config.max_position_embeddings == 4096
+    splits = api.load_data(DataSettings())
+    return teacher, splits, api.build_student(teacher, [0, 2])
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda t, s, m: api.load_teacher("tiny_llama"),
+     r"api.load_teacher: settings='tiny_llama' \(a str\); expected TeacherSettings or None"),
+    (lambda t, s, m: api.load_teacher(tiny_teacher(), cache_dir=3),
+     r"api.load_teacher: cache_dir=3 \(a int\); expected str or PathLike or None"),
+    (lambda t, s, m: api.load_data("shakespeare"), r"api.load_data: settings='shakespeare'"),
+    (lambda t, s, m: api.select_layers(t, s, 0.5), r"api.select_layers: retention=0.5 \(a float\); expected "
+                                                  r"RetentionSettings or ExplicitRetentionSettings"),
+    (lambda t, s, m: api.select_layers(t.model, s, RetentionSettings()), r"api.select_layers: teacher=.*expected "
+                                                                         r"Teacher"),
+    (lambda t, s, m: api.build_student(t, 2), r"api.build_student: keep_layers=2 \(a int\); expected list or tuple"),
+    (lambda t, s, m: api.initialize(m, t, s, "full"), r"api.initialize: init='full' \(a str\); expected InitSettings"),
+    (lambda t, s, m: api.initialize(m, t, s, init_settings("naive"), seed="0"), r"api.initialize: seed='0'"),
+    (lambda t, s, m: api.initialize(m, t, s, init_settings("naive"), seed=True), r"api.initialize: seed=True"),
+    (lambda t, s, m: api.distill(m, t, s, tokens="100"), r"api.distill: tokens='100' \(a str\); expected an "
+                                                         r"integer or None"),
+    (lambda t, s, m: api.distill(m, s, t), r"api.distill: teacher=.*expected Teacher"),
+    (lambda t, s, m: api.evaluate(m, t, s, eval={"seq_len": 64}), r"api.evaluate: eval=\{'seq_len': 64\}"),
+    (lambda t, s, m: api.save(m, t.tokenizer, None), r"api.save: folder=None \(a NoneType\); expected str or "
+                                                     r"PathLike"),
+    (lambda t, s, m: api.evaluate(m, t, s, EvalSettings(), wrong=1), r"api.evaluate: got an unexpected keyword"),
+], ids=lambda value: None)
+def test_a_wrong_argument_type_names_the_step_and_the_argument(call, match, loaded):
+    with pytest.raises(TypeError, match=match):
+        call(*loaded)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda t, s, m: api.evaluate(m, t, s, EvalSettings(seq_len=8192)),
+     r"eval.seq_len=8192 is beyond the teacher's context of 4096 tokens"),
+    (lambda t, s, m: api.evaluate(m, t, s, EvalSettings(seq_len=64, ruler=NeedleRulerSettings(lengths=[512, 8192]))),
+     r"eval.ruler.lengths=8192 is beyond the teacher's context of 4096 tokens"),
+    (lambda t, s, m: api.distill(m, t, s, DistillSettings(seq_len=8192, batch_size=1, max_tokens=8192,
+                                                          eval_every_tokens=8192)),
+     r"stage.seq_len=8192 is beyond the teacher's context"),
+    (lambda t, s, m: api.distill(m, t, s, DistillSettings(batch_size=2, seq_len=32), tokens=64,
+                                 eval=EvalSettings(seq_len=5000)),
+     r"eval.seq_len=5000 is beyond the teacher's context"),
+    (lambda t, s, m: api.initialize(m, t, s, init_settings("phase2"), dataclasses.replace(
+        __import__("tcal.config", fromlist=["CalibrationSettings"]).CalibrationSettings(), seq_len=6000)),
+     r"calibration.seq_len=6000 is beyond the teacher's context"),
+    (lambda t, s, m: api.select_layers(t, s, RetentionSettings(ratio=1.5)), r"retention.ratio=1.5"),
+    (lambda t, s, m: api.distill(m, t, s, DistillSettings(batch_size=2, seq_len=32), tokens=64,
+                                 trainer=TrainerSettings(devices=0)), r"trainer.devices=0"),
+    (lambda t, s, m: api.initialize(m, t, s, init_settings("naive"), seed=2 ** 64), r"seed=18446744073709551616"),
+], ids=["eval_seq_len", "ruler_lengths", "stage_seq_len", "distill_eval_seq_len", "calibration_seq_len",
+        "retention_ratio", "devices_0", "seed_beyond_64_bits"])
+def test_the_library_makes_the_cli_s_checks_against_the_loaded_teacher(call, match, loaded):
+    with pytest.raises(ConfigError, match=match):
+        call(*loaded)
