@@ -165,7 +165,7 @@ PHASES = {  # phase -> (the line that says it started, the status the record rea
     "calibration": ("calibrating layers", "converted"),
     "stage1": ("align at 0 tokens", "initialized"),
     "stage2": ("distill at 0 tokens", "trained_align"),
-    "final_evaluation": ("stage distill: ", "trained_distill"),
+    "final_evaluation": ("final evaluation: ", "trained_distill"),
 }
 EVERY_PHASE = ["experiment=smoke", "init=phase2", "calibration.phase2.steps=150", "eval.num_windows=8",
                "logger=none", "stage=align_distill", "stage.align.cache=false",

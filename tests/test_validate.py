@@ -89,7 +89,7 @@ CASES = [
     (["+seeds=3"], r"seeds=3: no such setting \(did you mean seed\?\)"),
     (["stage=align", "+stage.lr_mixer=0.1"], r"stage.lr_mixer=0.1: no such setting"),
     (["logger.name=tensorboard"], r"logger.name='tensorboard'; expected one of none, csv, wandb"),
-    (["seed=-1"], r"seed=-1; expected an integer >= 0"),
+    (["seed=-1"], r"seed=-1; expected an integer in \[0, 2\*\*64\)"),
     # dtypes and devices
     (["teacher.dtype=float64"], r"teacher.dtype='float64'; expected one of bfloat16, float16, float32"),
     (["stage=distill", "stage.teacher_dtype=int8"], r"stage.teacher_dtype='int8'; expected one of bfloat16"),

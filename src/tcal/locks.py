@@ -55,30 +55,56 @@ def _claim(handle, path: Path) -> None:
     os.pwrite(handle.fileno(), claim.encode(), 0)
 
 
+def _open_locked(path: Path, blocking: bool):
+    """The open lock file at `path`, locked; None when `blocking` is off and another process holds it. The file
+    locked is the one at `path` now (a holder that removed it on release leaves an unlinked one behind)."""
+    while True:
+        handle = open(path, "ab", buffering=0)  # unbuffered: nothing left to flush on a full disk
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.close()
+            return None
+        try:
+            same = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return handle
+        handle.close()
+
+
 @contextlib.contextmanager
-def locked(path: str | Path, wait: bool = True, on_wait: Callable[[dict], None] | None = None) -> Iterator[bool]:
+def locked(path: str | Path, wait: bool = True, on_wait: Callable[[dict], None] | None = None,
+           remove: bool = False) -> Iterator[bool]:
     """Hold the lock at `path`; yields whether it is held. With `wait=False` it is not when another process holds
-    it; otherwise `on_wait(holder)` is called once before waiting for it."""
+    it; otherwise `on_wait(holder)` is called once before waiting for it. With `remove`, the lock file (and its
+    folder, when that is left empty) is removed on release, so a hold leaves nothing behind."""
     path = Path(path)
     if fcntl is None:
         yield True
         return
+    made = not path.parent.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "ab", buffering=0) as handle:  # unbuffered: nothing left to flush on a full disk
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not wait:
-                yield False
-                return
-            if on_wait is not None:
-                on_wait(holder_of(path))
-            fcntl.flock(handle, fcntl.LOCK_EX)
+    handle = _open_locked(path, blocking=False)
+    if handle is None:
+        if not wait:
+            yield False
+            return
+        if on_wait is not None:
+            on_wait(holder_of(path))
+        handle = _open_locked(path, blocking=True)
+    with handle:
         try:
             with contextlib.suppress(OSError):  # who holds it is a courtesy: a full disk does not stop the lock
                 _claim(handle, path)
             yield True
         finally:
             with contextlib.suppress(OSError):
-                os.ftruncate(handle.fileno(), 0)
+                if remove:
+                    path.unlink()
+                    if made:
+                        path.parent.rmdir()  # only when empty
+                else:
+                    os.ftruncate(handle.fileno(), 0)
             fcntl.flock(handle, fcntl.LOCK_UN)

@@ -139,6 +139,9 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
         save_results()
 
     student.eval()
+    log.info("final evaluation: %s", ", ".join(n for n in ("perplexity", settings.eval.harness.name != "none" and
+                                                           "harness", settings.eval.ruler.name != "none" and "RULER")
+                                               if n))
     with timed(timings, "evaluate"):
         results.update(api.evaluate(student, teacher, ctx.splits, settings.eval, settings.data, settings.trainer,
                                     ctx.cache_dir, ctx.ranks))

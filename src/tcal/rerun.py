@@ -6,8 +6,8 @@ checkpoints can be read.
   into its folder stays a rerun, and no result is lost. A record that failed before any work (a bad setting of
   a sweep job) holds no result and takes the new config.
 - One folder, one live run. A run holds its folder while it works (`holding_folder`: a lock file,
-  `.tcal-run.lock`, naming its pid and host); a second run into it (the same command twice, a SLURM requeue
-  while the old job lives) is refused with one line naming the holder, and writes nothing there. A hold left by
+  `.tcal-run.lock`, naming its pid and host, removed when it ends); a second run into it (the same command
+  twice, a SLURM requeue while the old job lives) is refused with one line naming the holder, and writes nothing there. A hold left by
   a process that died is no hold: the next run takes it over.
 - Keys safe to change on resume (`SAFE_ON_RESUME`) do not change the result: where outputs and caches live,
   whether caches are used, the metrics logger, whether the student is exported. A resume or rerun that changes
@@ -145,7 +145,7 @@ def check_checkpoints(run_dir: Path) -> None:
 def holding_folder(run_dir: Path):
     """Hold `run_dir` for this run; FolderInUse naming the holder when a live run holds it."""
     lock = Path(run_dir) / RUN_LOCK
-    with locked(lock, wait=False) as held:
+    with locked(lock, wait=False, remove=True) as held:
         if not held:
             raise FolderInUse(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one "
                               f"run per folder: wait for it to end or stop it, or pass another hydra.run.dir / "

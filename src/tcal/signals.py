@@ -90,7 +90,9 @@ def _installed():
         yield
     except Interrupted as err:
         if outermost and err.signum == signal.SIGINT and not isinstance(err, KeyboardInterrupt):
-            raise KeyboardInterrupted(err.signum) from None
+            converted = KeyboardInterrupted(err.signum)
+            converted.__dict__.update(err.__dict__)  # where it stopped (run folder, sweep job)
+            raise converted from None
         raise
     finally:
         _depth -= 1

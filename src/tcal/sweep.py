@@ -73,8 +73,9 @@ def record_sweep_interrupt(err: BaseException, run_dir: Path) -> None:
     later = [{"job": num, "overrides": overrides, "folder": str(sweep_dir / str(num)),
               "error": f"not run: the sweep was {err}"} for num, overrides in enumerate(_planned) if num > job]
     add_failure_lines(sweep_dir, later)
+    common = set.intersection(*map(set, _planned)) if len(_planned) > 1 else set()
     err.sweep = {"job": job, "folder": str(run_dir), "sweep_dir": str(sweep_dir), "not_run": later,
-                 "planned": len(_planned) or None}
+                 "planned": len(_planned) or None, "common": common}
 
 
 @contextlib.contextmanager
@@ -109,8 +110,8 @@ def interrupted_lines(err) -> list[str]:
     total = f" of {sweep['planned']}" if sweep["planned"] else ""
     lines = [f"sweep {err} in job {sweep['job']}{total}; the same command skips finished jobs and continues",
              f"sweep job {sweep['job']} did not finish ({sweep['folder']}): {err}"]
-    lines += [f"sweep job {job['job']} did not run ({job['folder']}): {' '.join(job['overrides'])}"
-              for job in sweep["not_run"]]
+    lines += [f"sweep job {job['job']} did not run ({job['folder']}): "
+              f"{' '.join(o for o in job['overrides'] if o not in sweep['common'])}" for job in sweep["not_run"]]
     if not sweep["planned"]:
         lines.append("sweep: the jobs after it, if any, did not run (its launcher does not list them)")
     return lines
