@@ -271,4 +271,4 @@ def test_an_interrupted_sweep_lists_its_failed_jobs_too(tmp_path):
         f"tcal: sweep job 0 failed ({sweep_dir / '0'}): configuration error: stage.lr_mixer=-1.0; expected a "
         f"learning rate > 0",
         f"tcal: sweep job 1 did not finish ({sweep_dir / '1'}): interrupted by SIGTERM (signal 15)",
-        f"tcal: sweep job 2 did not run ({sweep_dir / '2'}): stage.lr_mixer=2e-3"]
+        f"tcal: sweep job 2 did not run ({sweep_dir / '2'}): stage.lr_mixer=0.002"]
