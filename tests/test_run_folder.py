@@ -120,8 +120,8 @@ def test_waiting_for_a_cache_entry_another_job_builds_says_what_it_waits_for(hol
 
 @pytest.mark.slow
 def test_the_same_command_twice_refuses_the_second_while_the_first_trains(tmp_path):
-    """Two `tcal` processes into one folder: the second exits 2 naming the first's pid; the first completes with
-    one metrics row per step."""
+    """Two `tcal` processes into one folder: the second (started while the first, paused by SIGSTOP, is mid-stage)
+    exits 2 naming the first's pid; the first completes with no metrics row twice."""
     cache = isolated_cache_dir(tmp_path / "cache")
     args = [sys.executable, "-m", "tcal.app", "experiment=smoke", "init=naive", "eval.num_windows=2",
             "stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=1024",
@@ -132,7 +132,12 @@ def test_the_same_command_twice_refuses_the_second_while_the_first_trains(tmp_pa
     for line in first.stdout:
         if "distill at 0 tokens" in line:
             break
-    second = subprocess.run(args, cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=600)
+    first.send_signal(signal.SIGSTOP)  # paused mid-training: alive, holding its folder, however slow the second
+    try:
+        second = subprocess.run(args, cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True,
+                                timeout=600)
+    finally:
+        first.send_signal(signal.SIGCONT)
     first_out = first.communicate(timeout=600)[0]
     assert second.returncode == 2, second.stderr[-2000:]
     lines = [line for line in second.stderr.splitlines() if line.startswith("tcal: ")]

@@ -70,12 +70,14 @@ def record_sweep_interrupt(err: BaseException, run_dir: Path) -> None:
 
     hydra = HydraConfig.get()
     job, sweep_dir = int(hydra.job.num), Path(hydra.sweep.dir)
+    listed = (sweep_dir / FAILURES).read_text(encoding="utf-8").splitlines() if (sweep_dir / FAILURES).is_file() else []
+    failed = [entry for entry in map(json.loads, filter(str.strip, listed)) if entry["job"] != job]
     later = [{"job": num, "overrides": overrides, "folder": str(sweep_dir / str(num)),
               "error": f"not run: the sweep was {err}"} for num, overrides in enumerate(_planned) if num > job]
     add_failure_lines(sweep_dir, later)
     common = set.intersection(*map(set, _planned)) if len(_planned) > 1 else set()
     err.sweep = {"job": job, "folder": str(run_dir), "sweep_dir": str(sweep_dir), "not_run": later,
-                 "planned": len(_planned) or None, "common": common}
+                 "planned": len(_planned) or None, "common": common, "failed": failed}
 
 
 @contextlib.contextmanager
@@ -108,8 +110,9 @@ def interrupted_lines(err) -> list[str]:
         record = f" (record: {Path(where) / 'results.json'}; the same command continues it)" if where else ""
         return [f"{err}{record}"]
     total = f" of {sweep['planned']}" if sweep["planned"] else ""
-    lines = [f"sweep {err} in job {sweep['job']}{total}; the same command skips finished jobs and continues",
-             f"sweep job {sweep['job']} did not finish ({sweep['folder']}): {err}"]
+    lines = [f"sweep {err} in job {sweep['job']}{total}; the same command skips finished jobs and continues"]
+    lines += [f"sweep job {job['job']} failed ({job['folder']}): {job['error']}" for job in sweep["failed"]]
+    lines.append(f"sweep job {sweep['job']} did not finish ({sweep['folder']}): {err}")
     lines += [f"sweep job {job['job']} did not run ({job['folder']}): "
               f"{' '.join(o for o in job['overrides'] if o not in sweep['common'])}" for job in sweep["not_run"]]
     if not sweep["planned"]:
