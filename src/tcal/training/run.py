@@ -24,7 +24,7 @@ from tcal.config import TrainerSettings, stages_of
 from tcal.data import eval_sets, token_windows
 from tcal.distributed import world_size
 from tcal.evaluate.validation import eval_dataloaders
-from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
+from tcal.fingerprint import digest, plain, teacher_fingerprint
 from tcal.record import is_stage_record
 from tcal.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
@@ -71,9 +71,9 @@ def plan_stages(ctx) -> list[StagePlan]:
 def stage1_key(ctx, student, plan: StagePlan) -> str:
     """Everything a finished Stage 1 depends on: teacher, keep list, the GDN layers' starting weights, the stage
     settings, its training windows, the seed and the number of ranks."""
-    gdn_start = [tensor_bytes(t) for t in gdn_state(student).values()]
+    gdn_start = gdn_state(student).values()  # hashed tensor by tensor (fingerprint.digest streams tensors)
     return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, stage1_settings(plan.cfg),
-                  tensor_bytes(plan.data.windows), int(ctx.settings.seed), world_size(ctx.settings.trainer))
+                  plan.data.windows, int(ctx.settings.seed), world_size(ctx.settings.trainer))
 
 
 def stage1_settings(cfg) -> dict:
