@@ -30,6 +30,7 @@ def _random_teacher(overrides: list[str]):
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     teacher.to_empty(device="cpu")
+    teacher.tie_weights()  # to_empty gives each module its own tensor: a tied head is tied again, as loaded
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in teacher.parameters():

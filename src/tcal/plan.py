@@ -1,4 +1,5 @@
-"""`tcal-plan [overrides] [--json] [--device-gb 80]`: what a run holds per device, from its configs alone.
+"""`tcal-plan [overrides] [--json|--markdown|--slurm-env] [--device-gb 80] [--headroom-gb 8]`: what a run holds per
+device and per host, from its configs alone.
 
 The overrides are those of `tcal` (an experiment, a teacher, a trainer, `stage.*`, ...). The teacher is built from
 its architecture on the meta device (`teachers.load.teacher_architecture`: a paper teacher's shipped config.json or
@@ -6,27 +7,33 @@ a local folder's; no weights, no data, no GPU), then the student with the retent
 
 For calibration, Stage 1 (align) and Stage 2 (distill) the plan adds up, per device (GB = 2^30 bytes):
 
-- weights: the student in the compute dtype (bfloat16 under `bf16-*` precision, else float32);
-- gradients: one per trainable parameter, in the compute dtype;
-- optimizer: AdamW's two moments in float32 and, under mixed precision (`*-mixed`), a float32 master copy of each
-  trainable weight: 12 bytes per trainable parameter (under `*-true`: two moments in the compute dtype). This is
-  DeepSpeed's bf16 optimizer; it assumes the same of Lightning's DDP and FSDP;
+- weights, gradients and optimizer (`Strategy.state_bytes`): under `*-true` everything in the compute dtype (AdamW's
+  two moments too); under `*-mixed` with DeepSpeed the module in the compute dtype and 12 bytes of float32 master
+  weight and moments per trainable parameter; under `*-mixed` otherwise (one device, DDP, FSDP) the student is
+  float32 (`pipeline` casts it): 4-byte weights and gradients, 8 bytes of moments per trainable parameter;
+- autocast copies: under `*-mixed` without DeepSpeed, the compute-dtype copy of each trainable Linear weight that
+  autograd keeps for backward (Lightning's autocast caches none), by checkpointing setting (`autocast_copies`);
 - teacher: frozen, in `teacher.dtype` (Stage 2: `stage.teacher_dtype` when set), whole on every device;
 - buffers: DDP's bucket copy of the gradients; DeepSpeed's reduce and all-gather buckets (Lightning's defaults);
+- gathered units: under FSDP2 (`trainer.strategy=fsdp`: each decoder layer and GDN mixer a unit), the root's
+  parameters and two layer units with their unsharded gradients (`fsdp_gathered`);
 - activations: what autograd keeps for backward at the configured per-rank batch (`stage.batch_size` x
   `stage.seq_len`), traced through the real modules on the meta device, with the attention and delta-rule kernels
-  standing in by what the flash (CPU, CUDA) and fla (CUDA) kernels keep; with and without checkpointing;
+  standing in by what the flash (CPU, CUDA) and fla (CUDA) kernels keep, plus the backward's working set; with and
+  without checkpointing. Under autocast the float32 student is traced (an upper bound: matmul outputs are in the
+  compute dtype there, while the residual stream, the norms and the GDN's recurrence are float32);
 - kl: the fused KL of Stage 2 (`training/kd.py`) at its peak.
 
 Strategies (`trainer.strategy`, per stage `trainer.stage_strategy`): `ddp` and single-device runs replicate
 everything; `deepspeed_stage_1` shards the optimizer states over the ranks, `deepspeed_stage_2` also the gradients,
-`deepspeed_stage_3` also the weights; `fsdp` shards all three at rest, but Lightning's default wraps the whole student
-as one unit, so every forward and backward gathers all of its weights and gradients: at the peak only the
-optimizer states are sharded. The peak is the sum of all of them, at the end of a forward: Lightning zeroes the
-gradients between the forward and the backward, so the previous step's are still held. It counts allocated tensors:
-not CUDA's context, nor free memory an allocator keeps (glibc's heap on the CPU, PyTorch's cache on CUDA).
-`make bench ARGS=plan` checks it against a measured Stage 2. A configuration error prints one line and exits with code 2,
-as `tcal` does.
+`deepspeed_stage_3` also the weights; `fsdp` shards all three. The peak is the sum of all of them, at the start of a
+backward (the previous step's gradients counted too: Lightning zeroes them between the forward and the backward). A
+stage fits when its peak plus `--headroom-gb` is at most `--device-gb`. It counts allocated tensors: not CUDA's
+context, nor free memory an allocator keeps (glibc's heap on the CPU, PyTorch's cache on CUDA); the headroom is for
+those. The host section is what a node's ranks hold in host memory (`host_plan`) and what a SLURM job asks for it;
+`--slurm-env` prints it as the variables conf/hydra/launcher/slurm_gpu.yaml reads.
+`make bench ARGS=plan` checks the plan against a measured Stage 2, `make bench ARGS=plan_activations` its activation
+model at a paper width. A configuration error prints one line and exits with code 2, as `tcal` does.
 """
 
 from __future__ import annotations
@@ -259,6 +266,7 @@ class LayerTrace:
     gdn_rest: int
     final_norm: int
     hidden: int  # one [B, T, D] hidden state in the compute dtype (a layer's input, or a mixer's)
+    mlp_backward: int = 0  # the MLP backward's gradients of its three [B, T, intermediate] tensors
 
 
 def trace_decoder(student, batch: int, seq_len: int, device_type: str) -> LayerTrace:
@@ -286,8 +294,9 @@ def trace_decoder(student, batch: int, seq_len: int, device_type: str) -> LayerT
     with SavedTensors(shared).recording() as norm:
         out = model.norm(x)
     del out
+    intermediate = model.layers[0].mlp.down_proj.in_features
     return LayerTrace(kept.outside_bytes, gdn.inside_bytes, gdn.outside_bytes, norm.outside_bytes,
-                      x.numel() * x.element_size())
+                      x.numel() * x.element_size(), 3 * batch * seq_len * intermediate * x.element_size())
 
 
 def trace_alignment(gdn, batch: int, seq_len: int, input_dtype: torch.dtype, device_type: str) -> tuple[int, int]:
@@ -373,8 +382,8 @@ class StageMemory:
 
     @property
     def peak(self) -> int:
-        """Everything at the end of a forward: Lightning zeroes the gradients between the forward and the backward,
-        so the previous step's are still held then."""
+        """Everything at the start of a backward (the activations' peak), the previous step's gradients included:
+        Lightning zeroes them between the forward and the backward, so they are held through the forward."""
         return (self.weights + self.gradients + self.optimizer + self.teacher + self.buffers
                 + self.activations[self.checkpointing] + self.kl + self.autocast.get(self.checkpointing, 0)
                 + self.gathered)
@@ -401,16 +410,20 @@ def checkpointing_of(node) -> str:
 
 
 def decoder_activations(trace: LayerTrace, n_kept: int, n_gdn: int) -> dict[str, int]:
-    """Stage 2's student activations for each checkpointing setting. A checkpointed mixer keeps only its input and
-    recomputes the rest during backward (one mixer at a time); a checkpointed decoder layer keeps only its input
-    and recomputes one whole layer at a time."""
+    """Stage 2's student activations at their peak, the start of the backward, for each checkpointing setting:
+    what the forward left for backward, plus the backward's working set. A checkpointed mixer keeps only its input
+    and recomputes the rest during backward (one mixer at a time, once its layer's MLP and norms have been freed);
+    a checkpointed decoder layer keeps only its input and recomputes one whole layer at a time. The working set is
+    the last layer's MLP backward (its gradients of three [B, T, intermediate] tensors), on top of the recomputed
+    layer under layer checkpointing (`make bench ARGS=plan_activations` measures all three)."""
     gdn_plain = trace.gdn_mixer + trace.gdn_rest
     gdn_mixers = trace.hidden + trace.gdn_rest
-    mixer_recompute = (trace.gdn_mixer - trace.hidden) if n_gdn else 0
-    none = n_kept * trace.kept + n_gdn * gdn_plain + trace.final_norm
-    mixers = n_kept * trace.kept + n_gdn * gdn_mixers + trace.final_norm + mixer_recompute
+    mixer_recompute = (trace.gdn_mixer - trace.hidden - trace.gdn_rest) if n_gdn else 0
+    none = n_kept * trace.kept + n_gdn * gdn_plain + trace.final_norm + trace.mlp_backward
+    mixers = (n_kept * trace.kept + n_gdn * gdn_mixers + trace.final_norm
+              + max(trace.mlp_backward, mixer_recompute))
     recompute = max(trace.kept, gdn_plain if n_gdn else 0)
-    layers = (n_kept + n_gdn) * trace.hidden + trace.final_norm + recompute
+    layers = (n_kept + n_gdn) * trace.hidden + trace.final_norm + recompute + trace.mlp_backward
     return {"none": none, "checkpoint_mixers": mixers, "activation_checkpointing": layers}
 
 
@@ -721,6 +734,15 @@ def markdown_table(plans: list[tuple[str, dict]]) -> str:
 # ------------------------------------------------------------------------------------------------ entry
 
 
+def slurm_env(plans: list[dict]) -> str:
+    """`export` of the variables conf/hydra/launcher/slurm_gpu.yaml reads, from the plans' host figures (the
+    largest of each over the plans: one SLURM preset serves every job of a sweep)."""
+    mem = max(plan["host"]["slurm_mem_gb"] for plan in plans)
+    cpus = max(plan["host"]["cpus_per_task"] for plan in plans)
+    gpus = max(plan["trainer"]["devices"] for plan in plans)
+    return f"export TCAL_SLURM_MEM_GB={mem} TCAL_CPUS_PER_TASK={cpus} TCAL_GPUS_PER_NODE={gpus}"
+
+
 def compose_config(overrides: list[str]):
     """The `tcal` config of `overrides`, composed by Hydra from the app's conf/; a bad override is a ConfigError."""
     from hydra import compose, initialize_config_dir
@@ -778,6 +800,9 @@ def main(argv=None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for tcal (group=a,b plans each)")
     parser.add_argument("--json", action="store_true", help="one JSON object per plan")
     parser.add_argument("--markdown", action="store_true", help="one markdown table row per plan")
+    parser.add_argument("--slurm-env", action="store_true",
+                        help="the environment hydra/launcher=slurm_gpu reads (memory, CPUs and GPUs of a node), "
+                             "the largest over the plans: eval \"$(tcal-plan ... --slurm-env)\"")
     parser.add_argument("--device-gb", type=float, default=80.0, help="memory of one device (default 80)")
     parser.add_argument("--headroom-gb", type=float, default=DEFAULT_HEADROOM_GB,
                         help=f"kept free on each device: fits means peak + headroom <= device "
@@ -788,7 +813,9 @@ def main(argv=None) -> None:
                 for o in expand_sweeps(args.overrides)]
     except ConfigError as err:
         config_error_exit(err)
-    if args.json:
+    if args.slurm_env:
+        print(slurm_env([plan for _, plan in runs]), flush=True)
+    elif args.json:
         for label, plan in runs:
             print(json.dumps({"run": label, **plan}), flush=True)
     elif args.markdown:
