@@ -9,10 +9,14 @@ streaming statistics at T=4096 against a plain forward), `phase2` (Phase 2 step 
 forward+backward), `init` (wall time and peak memory of the `phase2`, `full` and `full_plus` inits, uncached,
 and their ratios to `full`), `stage1` / `stage2` (a training step against its parts measured apart, and the
 process's peak RSS), `stage2_plain` (the same step with full-batch logits and an unchunked KL, for the memory
-comparison), `plan` (`tcal-plan`'s Stage 2 peak against the peak RSS of the same short Stage 2, each measured in a
-fresh process; `-o stage.checkpoint_mixers=false` etc. choose the checkpointing), and, only when named, `longctx`
-(the naive uniform students at `--ratios` against the teacher at `--contexts` tokens: prefill, decode per token at
-`--batches`, cache bytes and peak RSS; minutes to hours on a CPU).
+comparison), `host_memory` (peak host RSS of building the Qwen2.5-1.5B-architecture student in bfloat16, and of
+hashing it, against its bfloat16 weight bytes; `host_memory_replaced`: the same for the construction it replaced),
+`plan` (`tcal-plan`'s Stage 2 peak against the peak RSS of the same short Stage 2, each measured in a fresh process;
+`-o stage.checkpoint_mixers=false` etc. choose the checkpointing), `plan_activations` (the plan's Stage 2 activation
+model against a measured forward and backward of a 4-layer slice at Qwen2.5-1.5B's width, per checkpointing setting,
+in float32 and under bf16 autocast), and, only when named, `longctx` (the naive uniform students at `--ratios`
+against the teacher at `--contexts` tokens: prefill, decode per token at `--batches`, cache bytes and peak RSS;
+minutes to hours on a CPU).
 Ratios, not timed tests. Peak RSS is per process: run `stage2` and `stage2_plain` each in its own
 invocation (`longctx` starts a process per model and context itself).
 """
@@ -26,6 +30,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from host_memory import bench_host_memory
+from plan_activations import bench_plan_activations
 from init_cost import bench_init_modes, bench_phase2_step, bench_stats
 from longctx import (LONG_CONTEXT_BATCHES, LONG_CONTEXT_DECODE_TOKENS, LONG_CONTEXT_RATIOS, LONG_CONTEXTS,
                      bench_longctx, bench_student)
@@ -72,7 +78,8 @@ def bench_gdn(lengths=(512, 2048)) -> list[dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = ["gdn", "kl_memory", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain", "plan"]
+    groups = ["gdn", "kl_memory", "host_memory", "host_memory_replaced", "student", "stats", "phase2", "init",
+              "stage1", "stage2", "stage2_plain", "plan", "plan_activations"]
     parser.add_argument("groups", nargs="*", default=groups, choices=[*groups, "longctx"])
     parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
 
@@ -96,9 +103,14 @@ def main(argv=None) -> None:
         bench_gdn()
     if "kl_memory" in args.groups:
         bench_kl_memory()
+    for group, construction in (("host_memory", "meta"), ("host_memory_replaced", "replaced")):
+        if group in args.groups:
+            bench_host_memory(args.override, construction)
+    if "plan_activations" in args.groups:
+        bench_plan_activations(args.override)
     if "plan" in args.groups:
         bench_plan(args.override)
-    if set(args.groups) - {"gdn", "kl_memory", "plan"}:
+    if set(args.groups) - {"gdn", "kl_memory", "host_memory", "host_memory_replaced", "plan", "plan_activations"}:
         from tcal.plan import compose_config
         from tcal.retention.uniform import uniform_layers
         from tcal.teachers.load import load_teacher

@@ -11,7 +11,12 @@ Checks, each a line with `"ok": true|false` (the exit code is 1 when any is fals
   step's loss against the same step in float32 on the CPU;
 - `decode`: time per generated token at 4k, 16k and 32k tokens of context, student (ratio 0.5) against teacher;
 - `qwen_width`: a random 4-layer model of Qwen2.5-1.5B's width through `full` calibration and Stage 2 steps in
-  bf16-mixed (finite, and the loss falls).
+  bf16-mixed (finite, and the loss falls);
+- `fsdp_single`: a short Stage 2 under `trainer=fsdp trainer.devices=1` (FSDP2 units, one rank) against the same run
+  under `trainer=gpu` (curve within 1e-3 relative), and `bf16_kernel_inputs`: the dtypes fla's chunk kernel
+  received during the FSDP run's training under bf16-mixed (bfloat16 q, k, v expected);
+- `kill_resume`: the FSDP run SIGKILLed in a child process after its first checkpoint, then resumed: its curve
+  against the uninterrupted run's (within 1e-3 relative).
 Without CUDA it prints one line saying so and exits 0.
 """
 
@@ -200,14 +205,112 @@ def check_qwen_width() -> None:
          init_s=results["timings"]["init"])
 
 
+# A short Stage 2 on a tiny random Qwen2 teacher: 16 steps of 4 x 512 tokens, a curve point and checkpoint every 4.
+SHORT_STAGE2 = ["teacher=tiny_qwen2", "init=naive", "stage=distill", "stage.max_tokens=32768",
+                "stage.eval_every_tokens=8192", "stage.batch_size=4", "stage.seq_len=512", "eval/harness=none",
+                "eval.num_windows=4", "save_student=false", "logger=none"]
+KILL_AT_STEP = 6  # after the checkpoint at step 4, before the one at step 8
+
+
+def short_stage2_cfg(cache_dir, *overrides: str):
+    return compose_cfg(*SHORT_STAGE2, f"paths.cache_dir={cache_dir}", *overrides)
+
+
+def curve_gap(a: dict, b: dict) -> float:
+    """Largest relative difference between two records' curves (same eval sets, same points)."""
+    if a.keys() != b.keys() or any(len(a[k]) != len(b[k]) for k in a):
+        return math.inf
+    return max(abs(p["ppl"] / q["ppl"] - 1) for k in a for p, q in zip(a[k], b[k]))
+
+
+class KernelInputs:
+    """Records the dtypes of q, k, v that fla's chunk kernel receives while installed."""
+
+    def __init__(self):
+        import fla.ops.gated_delta_rule as fla_rule
+
+        self.module, self.original, self.dtypes = fla_rule, fla_rule.chunk_gated_delta_rule, set()
+
+    def __enter__(self):
+        def recording(q, k, v, *args, **kwargs):
+            if torch.is_grad_enabled():
+                self.dtypes.add(tuple(str(t.dtype).removeprefix("torch.") for t in (q, k, v)))
+            return self.original(q, k, v, *args, **kwargs)
+
+        self.module.chunk_gated_delta_rule = recording
+        return self
+
+    def __exit__(self, *exc):
+        self.module.chunk_gated_delta_rule = self.original
+
+
+def check_fsdp_single() -> None:
+    from tcal.pipeline import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        single = run(short_stage2_cfg(f"{tmp}/cache", "trainer=gpu", "trainer.precision=bf16-mixed"),
+                     Path(tmp) / "gpu")
+        with KernelInputs() as inputs:
+            fsdp = run(short_stage2_cfg(f"{tmp}/cache", "trainer=fsdp", "trainer.devices=1"), Path(tmp) / "fsdp")
+    gap = curve_gap(fsdp["curve"], single["curve"])
+    emit("fsdp_single", gap < 1e-3, curve_relative_gap=gap, loss_last_fsdp=fsdp["stages"]["distill"]["loss_last"],
+         loss_last_gpu=single["stages"]["distill"]["loss_last"])
+    emit("bf16_kernel_inputs", inputs.dtypes == {("bfloat16",) * 3}, seen=sorted(inputs.dtypes))
+
+
+def sigkill_at(step: int):
+    """A Lightning callback that SIGKILLs its own process once training reaches `step` (nothing after it runs)."""
+    import os
+    import signal
+
+    from lightning.pytorch.callbacks import Callback
+
+    class SigkillAt(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step >= step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return SigkillAt()
+
+
+def killed_child(run_dir: str, cache_dir: str) -> None:
+    """`gpu_check.py --killed-child RUN CACHE`: the FSDP run, SIGKILLed at KILL_AT_STEP."""
+    from tcal.pipeline import run
+
+    run(short_stage2_cfg(cache_dir, "trainer=fsdp", "trainer.devices=1"), Path(run_dir),
+        callbacks=[sigkill_at(KILL_AT_STEP)])
+
+
+def check_kill_resume() -> None:
+    import subprocess
+
+    from tcal.pipeline import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir, cache = Path(tmp) / "killed", f"{tmp}/cache"
+        child = subprocess.run([sys.executable, __file__, "--killed-child", str(run_dir), cache],
+                               capture_output=True, text=True, timeout=900)
+        checkpoints = sorted(str(p.relative_to(run_dir)) for p in (run_dir / "checkpoints").rglob("last*"))
+        resumed = run(short_stage2_cfg(cache, "trainer=fsdp", "trainer.devices=1"), run_dir, resume=True)
+        straight = run(short_stage2_cfg(cache, "trainer=fsdp", "trainer.devices=1"), Path(tmp) / "straight")
+    gap = curve_gap(resumed["curve"], straight["curve"])
+    emit("kill_resume", child.returncode == -9 and gap < 1e-3, child_exit=child.returncode,
+         checkpoints_at_kill=checkpoints, curve_relative_gap=gap,
+         child_stderr_tail=child.stderr[-300:] if child.returncode != -9 else "")
+
+
 CHECKS = {"kernels": check_kernels, "zero_shot": check_zero_shot, "stage2": check_stage2, "decode": check_decode,
-          "qwen_width": check_qwen_width}
+          "qwen_width": check_qwen_width, "fsdp": check_fsdp_single, "kill_resume": check_kill_resume}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=",".join(CHECKS), help=f"comma list of {', '.join(CHECKS)}")
+    parser.add_argument("--killed-child", nargs=2, metavar=("RUN_DIR", "CACHE_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.killed_child:
+        killed_child(*args.killed_child)
+        return 0
     if not torch.cuda.is_available():
         print(json.dumps({"check": "gpu", "skipped": "no CUDA device visible; nothing to check here"}), flush=True)
         return 0

@@ -71,3 +71,24 @@ def test_weights_digest_changes_with_one_ulp_of_one_weight():
     with torch.no_grad():
         module.weight[1, 2] = torch.nextafter(module.weight[1, 2], torch.tensor(float("inf")))
     assert weights_digest(module) != before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_streamed_weights_digest_hashes_the_whole_float32_byte_stream(monkeypatch, dtype):
+    """The digest is hashed piece by piece, but over the same bytes as one sha256 of every tensor's float32 values
+    in state-dict order (the definition earlier results.json files used): pieces smaller than a tensor, a
+    non-contiguous (transposed) tensor and a tensor shorter than a piece give that digest."""
+    import hashlib
+
+    import tcal.fingerprint as fingerprint
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.a = torch.nn.Parameter(torch.randn(7, 5).to(dtype))
+    module.register_buffer("b", torch.randn(5, 9).to(dtype).t())  # non-contiguous
+    module.c = torch.nn.Parameter(torch.randn(3).to(dtype))
+    whole = hashlib.sha256(b"".join(t.detach().float().contiguous().numpy().tobytes()
+                                    for t in module.state_dict().values())).hexdigest()[:20]
+    for piece in (4, 11, 1000):
+        monkeypatch.setattr(fingerprint, "DIGEST_CHUNK_ELEMENTS", piece)
+        assert fingerprint.weights_digest(module) == whole, f"pieces of {piece} elements"

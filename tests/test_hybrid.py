@@ -338,6 +338,51 @@ def test_student_dtype_follows_teacher():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 
+def _student_built_at_random_then_overwritten(teacher, keep_layers, seed=0):
+    """The construction the meta-device build replaced: a randomly initialized float32 student cast to the
+    teacher's dtype, the teacher's state loaded into it by copy, the converted layers filled in place."""
+    from tcal.convert import convert_layer, hybrid_config, take_buffers
+    from tcal.teachers import adapter_for
+
+    adapter = adapter_for(teacher.config)
+    config = hybrid_config(teacher.config, keep_layers)
+    student = HybridForCausalLM(config).to(next(teacher.parameters()).dtype)
+    take_buffers(student, teacher)
+    converted = tuple(f"model.layers.{i}.self_attn." for i in config.gdn_layers)
+    student.load_state_dict({k: v for k, v in teacher.state_dict().items() if not k.startswith(converted)},
+                            strict=False)
+    for i in config.gdn_layers:
+        convert_layer(student.gdn(i), adapter.attention(teacher, i), adapter, teacher.config, "whole_head",
+                      layer_generator(seed, i))
+    student.tie_weights()
+    return student.eval()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_meta_build_equals_random_init_then_copy_and_owns_its_weights(family, tied, dtype):
+    teacher = make_teacher(family, tie_word_embeddings=tied).to(dtype)
+    reference = _student_built_at_random_then_overwritten(teacher, [0, 2], seed=3)
+    rng = torch.get_rng_state()
+    student = build_student(teacher, [0, 2], seed=3)
+    assert torch.equal(torch.get_rng_state(), rng), "building the student drew from the global RNG"
+    ours, theirs = student.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        assert value.dtype == theirs[name].dtype and torch.equal(value, theirs[name]), name
+    reference_buffers = dict(reference.named_buffers())
+    for name, value in student.named_buffers():
+        assert value.dtype == reference_buffers[name].dtype and torch.equal(value, reference_buffers[name]), name
+    same = student.lm_head.weight.data_ptr() == student.model.embed_tokens.weight.data_ptr()
+    assert same == tied
+    teacher_storages = {t.untyped_storage().data_ptr() for t in teacher.state_dict().values()}
+    shared = [n for n, t in student.state_dict().items() if t.untyped_storage().data_ptr() in teacher_storages]
+    assert not shared, f"student tensors share the teacher's storage: {shared[:3]}"
+    assert all(p.requires_grad for p in student.parameters())
+    ids = tokens(2, 24)
+    assert torch.equal(logits(student, ids), logits(reference, ids))
+
+
 def test_bfloat16_student_keeps_the_teachers_float32_rope_and_equals_it():
     """A teacher loaded in bfloat16 keeps its RoPE frequencies in float32 (transformers does); the student's
     `.to(bfloat16)` must not round them, or an all-kept student would not be its teacher."""

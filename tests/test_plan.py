@@ -97,6 +97,16 @@ def test_paper_experiment_plan_json(teacher, capsys):
     assert plan["fits"] == all(s["fits"] for s in plan["stages"].values())
     assert plan["stages"]["distill"]["world_size"] == 8
     assert plan["stages"]["distill"]["tokens_per_step"] == 4 * 4096 * 8  # the paper's global Stage 2 batch
+    assert plan["fits"] and plan["device_gb"] == 80 and plan["headroom_gb"] == 8  # as shipped, on 8 x 80 GB
+
+
+@pytest.mark.parametrize("teacher", PUBLISHED)
+def test_paper_experiment_fits_under_fsdp(teacher, capsys):
+    main([f"experiment={PAPER_EXPERIMENTS[teacher]}", "trainer=fsdp", "trainer.devices=8", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"], {k: s["peak_gb"] for k, s in plan["stages"].items()}
+    assert {plan["stages"][k]["strategy"] for k in ("align", "distill")} == {"fsdp"}
+    assert plan["stages"]["distill"]["gathered_gb"] > 0 and plan["stages"]["distill"]["autocast_gb"] > 0
 
 
 def test_group_sweeps_expand_as_hydra_reads_them():
@@ -132,17 +142,46 @@ def distill_memory(*overrides):
 def test_strategies_shard_what_they_say():
     ddp = distill_memory("trainer=ddp", "trainer.devices=8", "trainer.precision=bf16-mixed")
     fsdp = distill_memory("trainer=fsdp", "trainer.devices=8")
-    assert fsdp.optimizer == ddp.optimizer // 8
-    assert ddp.buffers == ddp.gradients  # DDP's bucket copy of the gradients
+    params, trainable = ddp.weights // 4, ddp.settings["trainable_params"]
+    # DDP under autocast: float32 weights, gradients and two moments, the bucket copy, the weights' bf16 copies
+    assert (ddp.weights, ddp.gradients, ddp.optimizer, ddp.buffers) == (4 * params, 4 * trainable, 8 * trainable,
+                                                                        4 * trainable)
+    assert ddp.autocast["none"] > 0 and ddp.gathered == 0
+    # FSDP2: the DDP run's float32 state in eight shards, plus the gathered root and two layer units
+    assert (fsdp.weights, fsdp.gradients, fsdp.optimizer) == (ddp.weights // 8, ddp.gradients // 8,
+                                                              ddp.optimizer // 8)
+    assert fsdp.buffers == 0 and fsdp.autocast == ddp.autocast
+    student = build_model(compose_config(TINY_DISTILL), [0, 2]).student
+    root = sum(p.numel() for n, p in student.named_parameters() if not n.startswith("model.layers."))
+    layer = max(sum(p.numel() for p in l.parameters()) for l in student.get_decoder().layers)
+    assert fsdp.gathered == 4 * root + 2 * 8 * layer
     assert ddp.teacher == fsdp.teacher  # the frozen teacher is whole on every device
 
 
 def test_optimizer_and_weight_bytes_follow_the_precision():
-    fp32, mixed = (distill_memory(f"trainer.precision={p}") for p in ("32-true", "bf16-mixed"))
+    fp32, mixed, bf16 = (distill_memory(f"trainer.precision={p}") for p in ("32-true", "bf16-mixed", "bf16-true"))
     trainable = fp32.settings["trainable_params"]
-    assert (fp32.optimizer, mixed.optimizer) == (8 * trainable, 12 * trainable)  # + a float32 master when mixed
-    assert (fp32.gradients, mixed.gradients) == (4 * trainable, 2 * trainable)
-    assert mixed.weights * 2 == fp32.weights
+    assert (fp32.optimizer, mixed.optimizer, bf16.optimizer) == (8 * trainable, 8 * trainable, 4 * trainable)
+    assert (fp32.gradients, mixed.gradients, bf16.gradients) == (4 * trainable, 4 * trainable, 2 * trainable)
+    assert fp32.weights == mixed.weights == 2 * bf16.weights
+    assert not any(fp32.autocast.values()) and not any(bf16.autocast.values())
+
+
+def test_autocast_copies_are_the_linear_weights_the_graph_keeps():
+    """bf16-mixed on one device: each trainable Linear parameter's bfloat16 copy (2 bytes) without checkpointing;
+    checkpointed mixers keep all but the mixers' (one is recomputed); checkpointed layers one layer's and the head's."""
+    memory = distill_memory("trainer.precision=bf16-mixed")
+    student = build_model(compose_config(TINY_DISTILL), [0, 2]).student.requires_grad_(True)
+
+    def linear(modules):
+        return sum(p.numel() for m in modules if isinstance(m, torch.nn.Linear) for p in m.parameters(False))
+
+    every, mixers = linear(student.modules()), [linear(student.gdn(i).modules()) for i in (1, 3)]
+    layers = [linear(layer.modules()) for layer in student.get_decoder().layers]
+    assert memory.autocast == {"none": 2 * every, "checkpoint_mixers": 2 * (every - sum(mixers) + max(mixers)),
+                               "activation_checkpointing": 2 * (max(layers) + linear([student.lm_head]))}
+    assert memory.peak == (memory.weights + memory.gradients + memory.optimizer + memory.teacher + memory.buffers
+                           + memory.activations["checkpoint_mixers"] + memory.kl + memory.autocast["checkpoint_mixers"])
 
 
 def test_checkpointing_lowers_the_activations_and_the_configured_one_counts():
@@ -155,8 +194,30 @@ def test_checkpointing_lowers_the_activations_and_the_configured_one_counts():
     assert layers["checkpointing"] == "activation_checkpointing"
 
 
-def test_fits_compares_the_peak_with_the_device():
-    assert tiny_plan(device_gb=80)["fits"] and not tiny_plan(device_gb=0.01)["fits"]
+def test_fits_keeps_the_headroom_free():
+    plan = make_plan(compose_config(TINY_DISTILL), 80.0, 0.0)
+    peak = max(stage["peak_gb"] for stage in plan["stages"].values())
+    device = round(peak + 0.5, 2)
+    assert make_plan(compose_config(TINY_DISTILL), device, 0.4)["fits"]
+    tight = make_plan(compose_config(TINY_DISTILL), device, 0.6)
+    assert not tight["fits"] and tight["headroom_gb"] == 0.6
+    assert [k for k, s in tight["stages"].items() if not s["fits"]] == [k for k, s in tight["stages"].items()
+                                                                        if s["peak_gb"] + 0.6 > device]
+    with pytest.raises(ConfigError, match="--headroom-gb 90: expected 0 <= headroom < the device's 80 GB"):
+        make_plan(compose_config(TINY_DISTILL), 80.0, 90.0)
+
+
+def test_host_figure_is_the_largest_host_holding_of_each_rank():
+    cfg = compose_config([*TINY_DISTILL, "trainer=ddp", "trainer.devices=4", "trainer.accelerator=cpu"])
+    plan = make_plan(cfg)
+    host, parts = plan["host"], plan["host"]["parts_gb"]
+    assert host["ranks"] == 4
+    assert parts["teacher_load"] == round(plan["teacher_params"] * 4 / 2**30, 2)  # tiny_llama is float32
+    assert parts["export_rank0"] == round(plan["student_params"] * 4 / 2**30, 2)
+    per_rank = max(parts["teacher_load"], parts["statistics"]) + parts["process"]
+    rank0 = max(parts["teacher_load"], parts["statistics"], parts["export_rank0"]) + parts["process"]
+    assert host["per_node_gb"] == pytest.approx(rank0 + 3 * per_rank, abs=0.02)
+    assert host["slurm_mem_gb"] >= host["per_node_gb"] + plan["headroom_gb"] > host["slurm_mem_gb"] - 1
 
 
 @pytest.mark.parametrize("policy,kept_known", [("uniform", True), ("ar", False), ("ga_s2", False)])

@@ -17,15 +17,31 @@ def plain(node) -> dict:
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
 
 
+DIGEST_CHUNK_ELEMENTS = 1 << 24  # 64 MB of float32 at a time: a tensor is hashed piece by piece
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's values as contiguous float32 bytes (what the digests hash for a tensor)."""
     return t.detach().float().cpu().contiguous().numpy().tobytes()
 
 
+def update_with_tensor(h, t: torch.Tensor) -> None:
+    """`h.update(tensor_bytes(t))`, streamed: the float32 bytes of at most DIGEST_CHUNK_ELEMENTS values exist at
+    once, so hashing a model never holds a float32 copy of it (nor of its largest tensor)."""
+    flat = t.detach().reshape(-1)
+    for start in range(0, flat.numel(), DIGEST_CHUNK_ELEMENTS):
+        h.update(tensor_bytes(flat[start:start + DIGEST_CHUNK_ELEMENTS]))
+
+
 def digest(*parts) -> str:
-    """Short sha256 of the parts: bytes as they are, anything else as sorted JSON."""
+    """Short sha256 of the parts: bytes as they are, a tensor as its `tensor_bytes` (streamed), anything else as
+    sorted JSON."""
     h = hashlib.sha256()
     for part in parts:
-        h.update(part if isinstance(part, bytes) else json.dumps(part, sort_keys=True, default=str).encode())
+        if isinstance(part, torch.Tensor):
+            update_with_tensor(h, part)
+        else:
+            h.update(part if isinstance(part, bytes) else json.dumps(part, sort_keys=True, default=str).encode())
     return h.hexdigest()[:20]
 
 
@@ -36,7 +52,7 @@ def teacher_fingerprint(teacher) -> str:
         h = hashlib.sha256(teacher.config.to_json_string().encode())
         for name, tensor in teacher.state_dict().items():
             h.update(name.encode())
-            h.update(tensor_bytes(tensor))
+            update_with_tensor(h, tensor)
         cached = teacher._tcal_fingerprint = h.hexdigest()[:20]
     return cached
 
@@ -47,5 +63,6 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 def weights_digest(module) -> str:
-    """Digest of every tensor in `module.state_dict()`: equal digests mean bit-identical weights."""
-    return digest(*(tensor_bytes(t) for t in module.state_dict().values()))
+    """Digest of every tensor in `module.state_dict()` (their float32 values, in order, streamed): equal digests
+    mean bit-identical weights."""
+    return digest(*module.state_dict().values())

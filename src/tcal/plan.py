@@ -1,4 +1,5 @@
-"""`tcal-plan [overrides] [--json] [--device-gb 80]`: what a run holds per device, from its configs alone.
+"""`tcal-plan [overrides] [--json|--markdown|--slurm-env] [--device-gb 80] [--headroom-gb 8]`: what a run holds per
+device and per host, from its configs alone.
 
 The overrides are those of `tcal` (an experiment, a teacher, a trainer, `stage.*`, ...). The teacher is built from
 its architecture on the meta device (`teachers.load.teacher_architecture`: a paper teacher's shipped config.json or
@@ -6,27 +7,33 @@ a local folder's; no weights, no data, no GPU), then the student with the retent
 
 For calibration, Stage 1 (align) and Stage 2 (distill) the plan adds up, per device (GB = 2^30 bytes):
 
-- weights: the student in the compute dtype (bfloat16 under `bf16-*` precision, else float32);
-- gradients: one per trainable parameter, in the compute dtype;
-- optimizer: AdamW's two moments in float32 and, under mixed precision (`*-mixed`), a float32 master copy of each
-  trainable weight: 12 bytes per trainable parameter (under `*-true`: two moments in the compute dtype). This is
-  DeepSpeed's bf16 optimizer; it assumes the same of Lightning's DDP and FSDP;
+- weights, gradients and optimizer (`Strategy.state_bytes`): under `*-true` everything in the compute dtype (AdamW's
+  two moments too); under `*-mixed` with DeepSpeed the module in the compute dtype and 12 bytes of float32 master
+  weight and moments per trainable parameter; under `*-mixed` otherwise (one device, DDP, FSDP) the student is
+  float32 (`pipeline` casts it): 4-byte weights and gradients, 8 bytes of moments per trainable parameter;
+- autocast copies: under `*-mixed` without DeepSpeed, the compute-dtype copy of each trainable Linear weight that
+  autograd keeps for backward (Lightning's autocast caches none), by checkpointing setting (`autocast_copies`);
 - teacher: frozen, in `teacher.dtype` (Stage 2: `stage.teacher_dtype` when set), whole on every device;
 - buffers: DDP's bucket copy of the gradients; DeepSpeed's reduce and all-gather buckets (Lightning's defaults);
+- gathered units: under FSDP2 (`trainer.strategy=fsdp`: each decoder layer and GDN mixer a unit), the root's
+  parameters and two layer units with their unsharded gradients (`fsdp_gathered`);
 - activations: what autograd keeps for backward at the configured per-rank batch (`stage.batch_size` x
   `stage.seq_len`), traced through the real modules on the meta device, with the attention and delta-rule kernels
-  standing in by what the flash (CPU, CUDA) and fla (CUDA) kernels keep; with and without checkpointing;
+  standing in by what the flash (CPU, CUDA) and fla (CUDA) kernels keep, plus the backward's working set; with and
+  without checkpointing. Under autocast the float32 student is traced (an upper bound: matmul outputs are in the
+  compute dtype there, while the residual stream, the norms and the GDN's recurrence are float32);
 - kl: the fused KL of Stage 2 (`training/kd.py`) at its peak.
 
 Strategies (`trainer.strategy`, per stage `trainer.stage_strategy`): `ddp` and single-device runs replicate
 everything; `deepspeed_stage_1` shards the optimizer states over the ranks, `deepspeed_stage_2` also the gradients,
-`deepspeed_stage_3` also the weights; `fsdp` shards all three at rest, but Lightning's default wraps the whole student
-as one unit, so every forward and backward gathers all of its weights and gradients: at the peak only the
-optimizer states are sharded. The peak is the sum of all of them, at the end of a forward: Lightning zeroes the
-gradients between the forward and the backward, so the previous step's are still held. It counts allocated tensors:
-not CUDA's context, nor free memory an allocator keeps (glibc's heap on the CPU, PyTorch's cache on CUDA).
-`make bench ARGS=plan` checks it against a measured Stage 2. A configuration error prints one line and exits with code 2,
-as `tcal` does.
+`deepspeed_stage_3` also the weights; `fsdp` shards all three. The peak is the sum of all of them, at the start of a
+backward (the previous step's gradients counted too: Lightning zeroes them between the forward and the backward). A
+stage fits when its peak plus `--headroom-gb` is at most `--device-gb`. It counts allocated tensors: not CUDA's
+context, nor free memory an allocator keeps (glibc's heap on the CPU, PyTorch's cache on CUDA); the headroom is for
+those. The host section is what a node's ranks hold in host memory (`host_plan`) and what a SLURM job asks for it;
+`--slurm-env` prints it as the variables conf/hydra/launcher/slurm_gpu.yaml reads.
+`make bench ARGS=plan` checks the plan against a measured Stage 2, `make bench ARGS=plan_activations` its activation
+model at a paper width. A configuration error prints one line and exits with code 2, as `tcal` does.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from unittest import mock
@@ -51,6 +59,11 @@ DEEPSPEED_BUCKET_ELEMENTS = 200_000_000  # Lightning's DeepSpeedStrategy reduce_
 # [chunk, vocab] float32 tensors alive at once in one chunk of the fused KL (kd.py; `make bench ARGS=kl_memory`)
 KL_CHUNK_TENSORS = 3
 FLA_CHUNK = 64  # fla's chunk size: its WY matrix A is [B, T, H, 64]
+DEFAULT_HEADROOM_GB = 8.0  # per device, for what the plan does not count (make_plan)
+# Host memory of one rank's process besides its data (host_plan): 0.54 GB measured after importing torch,
+# transformers, Lightning and tcal on the CPU; the rest an allowance for CUDA's host-side context and pinned buffers
+PROCESS_HOST_GB = 4
+HOST_CPUS_PER_RANK = 4  # a rank's loop (data loading runs in process), NCCL's threads, torch's host-side threads
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -62,8 +75,8 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class Precision:
-    """Lightning's `trainer.precision` as the plan counts it: the compute dtype, and whether trainable weights keep
-    a float32 master copy (mixed precision)."""
+    """Lightning's `trainer.precision` as the plan counts it: the compute dtype, and whether it is mixed (`*-mixed`:
+    float32 trainable state, compute in the reduced dtype)."""
 
     name: str
     compute: torch.dtype
@@ -79,23 +92,32 @@ class Precision:
         return cls(str(name), cls.DTYPES[bits], mode == "mixed")
 
     @property
-    def weight_bytes(self) -> int:
+    def compute_bytes(self) -> int:
         return dtype_bytes(self.compute)
 
-    @property
-    def optimizer_bytes(self) -> int:
-        """AdamW per trainable parameter: two float32 moments and a float32 master weight when mixed."""
-        return 12 if self.mixed else 2 * self.weight_bytes
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of the student's weights and gradients, per trainable parameter of AdamW's states, and
+    per trainable Linear parameter of autocast's compute-dtype copies (0 without autocast)."""
+
+    weight: int
+    gradient: int
+    optimizer: int
+    autocast_copy: int
+    note: str
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """What a training strategy spreads over the ranks at the step's peak (see the module docstring)."""
+    """What a training strategy spreads over the ranks (see the module docstring)."""
 
     name: str
     shards_optimizer: bool = False
     shards_gradients: bool = False
     shards_weights: bool = False
+    per_layer_units: bool = False  # FSDP2: each decoder layer and GDN mixer a unit, gathered one at a time
+    casts_module: bool = False  # DeepSpeed: the module itself in the compute dtype, float32 masters in the optimizer
     note: str = ""
 
     @classmethod
@@ -103,19 +125,35 @@ class Strategy:
         name = str(name)
         if name.startswith("deepspeed"):
             stage = int(name[-1]) if name[-1].isdigit() else 2
-            return cls(name, True, stage >= 2, stage >= 3)
-        if name.startswith("fsdp"):
-            return cls(name, True, note="one FSDP unit (Lightning's default auto_wrap_policy=None): forward and "
-                                        "backward gather all student weights and gradients; wrap per decoder layer "
-                                        "to shard them")
+            return cls(name, True, stage >= 2, stage >= 3, casts_module=True)
+        if name.startswith("fsdp") or name == "model_parallel":
+            return cls(name, True, True, True, per_layer_units=True,
+                       note="FSDP2: float32 weights, gradients and AdamW states sharded over the ranks; the root "
+                            "(embeddings, final norm, head) gathered from forward to backward, and two layer units "
+                            "(the running one and the next) with their unsharded gradients")
         return cls(name)
 
-    def buffers(self, trainable: int, precision: Precision, world: int) -> int:
+    def state_bytes(self, precision: Precision) -> StateBytes:
+        """`*-true`: everything in the compute dtype (AdamW's moments too). `*-mixed` under DeepSpeed: the module in
+        the compute dtype and, per trainable parameter, a float32 master and two float32 moments (12 bytes).
+        `*-mixed` otherwise (one device, DDP, FSDP): the student is float32 (`pipeline` casts it) and autocast
+        computes in the reduced dtype: float32 gradients and moments, and a compute-dtype copy of each trainable
+        Linear weight that autocast caches for the forward and autograd keeps for the backward."""
+        c = precision.compute_bytes
+        if not precision.mixed:
+            return StateBytes(c, c, 2 * c, 0, f"{precision.name}: weights, gradients and AdamW moments in {c} bytes")
+        if self.casts_module:
+            return StateBytes(c, c, 12, 0, f"{precision.name} (DeepSpeed): module in the compute dtype, float32 "
+                                           f"master weights and moments in the optimizer")
+        return StateBytes(4, 4, 8, c, f"{precision.name} (autocast): float32 weights, gradients and moments, and a "
+                                      f"compute-dtype copy of every trainable Linear weight during the forward")
+
+    def buffers(self, trainable: int, state: StateBytes, world: int) -> int:
         """Communication buffers: DDP's bucket copy of the gradients, DeepSpeed's reduce and all-gather buckets."""
         if self.name.startswith("ddp") or (self.name == "auto" and world > 1):
-            return trainable * precision.weight_bytes
+            return trainable * state.gradient
         if self.name.startswith("deepspeed"):
-            return 2 * min(DEEPSPEED_BUCKET_ELEMENTS, trainable) * precision.weight_bytes
+            return 2 * min(DEEPSPEED_BUCKET_ELEMENTS, trainable) * state.gradient
         return 0
 
 
@@ -228,6 +266,7 @@ class LayerTrace:
     gdn_rest: int
     final_norm: int
     hidden: int  # one [B, T, D] hidden state in the compute dtype (a layer's input, or a mixer's)
+    mlp_backward: int = 0  # the MLP backward's gradients of its three [B, T, intermediate] tensors
 
 
 def trace_decoder(student, batch: int, seq_len: int, device_type: str) -> LayerTrace:
@@ -255,8 +294,9 @@ def trace_decoder(student, batch: int, seq_len: int, device_type: str) -> LayerT
     with SavedTensors(shared).recording() as norm:
         out = model.norm(x)
     del out
+    intermediate = model.layers[0].mlp.down_proj.in_features
     return LayerTrace(kept.outside_bytes, gdn.inside_bytes, gdn.outside_bytes, norm.outside_bytes,
-                      x.numel() * x.element_size())
+                      x.numel() * x.element_size(), 3 * batch * seq_len * intermediate * x.element_size())
 
 
 def trace_alignment(gdn, batch: int, seq_len: int, input_dtype: torch.dtype, device_type: str) -> tuple[int, int]:
@@ -335,23 +375,31 @@ class StageMemory:
     activations: dict[str, int]
     checkpointing: str  # the configured setting: none, checkpoint_mixers, activation_checkpointing
     kl: int = 0
+    autocast: dict[str, int] = field(default_factory=dict)  # autocast's weight copies kept, by checkpointing
+    gathered: int = 0  # FSDP: unsharded units (weights and their gradients) besides the shards
     settings: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
     def peak(self) -> int:
-        """Everything at the end of a forward: Lightning zeroes the gradients between the forward and the backward,
-        so the previous step's are still held then."""
+        """Everything at the start of a backward (the activations' peak), the previous step's gradients included:
+        Lightning zeroes them between the forward and the backward, so they are held through the forward."""
         return (self.weights + self.gradients + self.optimizer + self.teacher + self.buffers
-                + self.activations[self.checkpointing] + self.kl)
+                + self.activations[self.checkpointing] + self.kl + self.autocast.get(self.checkpointing, 0)
+                + self.gathered)
 
-    def as_dict(self, device_gb: float) -> dict:
+    def fits(self, device_gb: float, headroom_gb: float) -> bool:
+        return self.peak + headroom_gb * GB <= device_gb * GB
+
+    def as_dict(self, device_gb: float, headroom_gb: float) -> dict:
         gb = lambda b: round(b / GB, 2)  # noqa: E731
         return {**self.settings, "weights_gb": gb(self.weights), "gradients_gb": gb(self.gradients),
                 "optimizer_gb": gb(self.optimizer), "teacher_gb": gb(self.teacher), "buffers_gb": gb(self.buffers),
+                "autocast_gb": gb(self.autocast.get(self.checkpointing, 0)), "gathered_gb": gb(self.gathered),
                 "activations_gb": gb(self.activations[self.checkpointing]), "checkpointing": self.checkpointing,
                 "activations_gb_by_checkpointing": {k: gb(v) for k, v in self.activations.items()},
-                "kl_gb": gb(self.kl), "peak_gb": gb(self.peak), "fits": self.peak <= device_gb * GB,
+                "kl_gb": gb(self.kl), "peak_gb": gb(self.peak),
+                "free_gb": round(device_gb - self.peak / GB, 2), "fits": self.fits(device_gb, headroom_gb),
                 "notes": self.notes}
 
 
@@ -362,16 +410,20 @@ def checkpointing_of(node) -> str:
 
 
 def decoder_activations(trace: LayerTrace, n_kept: int, n_gdn: int) -> dict[str, int]:
-    """Stage 2's student activations for each checkpointing setting. A checkpointed mixer keeps only its input and
-    recomputes the rest during backward (one mixer at a time); a checkpointed decoder layer keeps only its input
-    and recomputes one whole layer at a time."""
+    """Stage 2's student activations at their peak, the start of the backward, for each checkpointing setting:
+    what the forward left for backward, plus the backward's working set. A checkpointed mixer keeps only its input
+    and recomputes the rest during backward (one mixer at a time, once its layer's MLP and norms have been freed);
+    a checkpointed decoder layer keeps only its input and recomputes one whole layer at a time. The working set is
+    the last layer's MLP backward (its gradients of three [B, T, intermediate] tensors), on top of the recomputed
+    layer under layer checkpointing (`make bench ARGS=plan_activations` measures all three)."""
     gdn_plain = trace.gdn_mixer + trace.gdn_rest
     gdn_mixers = trace.hidden + trace.gdn_rest
-    mixer_recompute = (trace.gdn_mixer - trace.hidden) if n_gdn else 0
-    none = n_kept * trace.kept + n_gdn * gdn_plain + trace.final_norm
-    mixers = n_kept * trace.kept + n_gdn * gdn_mixers + trace.final_norm + mixer_recompute
+    mixer_recompute = (trace.gdn_mixer - trace.hidden - trace.gdn_rest) if n_gdn else 0
+    none = n_kept * trace.kept + n_gdn * gdn_plain + trace.final_norm + trace.mlp_backward
+    mixers = (n_kept * trace.kept + n_gdn * gdn_mixers + trace.final_norm
+              + max(trace.mlp_backward, mixer_recompute))
     recompute = max(trace.kept, gdn_plain if n_gdn else 0)
-    layers = (n_kept + n_gdn) * trace.hidden + trace.final_norm + recompute
+    layers = (n_kept + n_gdn) * trace.hidden + trace.final_norm + recompute + trace.mlp_backward
     return {"none": none, "checkpoint_mixers": mixers, "activation_checkpointing": layers}
 
 
@@ -384,15 +436,54 @@ def kl_bytes(tokens: int, hidden: int, vocab: int, chunk: int, student_dtype, te
     return vocab * hidden * 4 + hidden_states + KL_CHUNK_TENSORS * min(chunk, tokens) * vocab * 4
 
 
+def linear_params(modules) -> int:
+    """Weights and biases of the nn.Linear modules in `modules` that train (what autocast casts)."""
+    return sum(p.numel() for m in modules if isinstance(m, torch.nn.Linear)
+               for p in m.parameters(recurse=False) if p.requires_grad)
+
+
+def autocast_copies(student, kind: str) -> dict[str, int]:
+    """Parameters whose compute-dtype copy autocast makes and autograd keeps for backward at the end of a forward,
+    by checkpointing setting. Lightning's autocast does not cache casts (`cache_enabled=False`), so a copy lives as
+    long as the graph saves it: every trainable Linear without checkpointing; with checkpointed mixers, all but
+    the mixers' plus one mixer's being recomputed; with checkpointed layers one layer's, plus the head's cast that
+    the fused KL makes for each chunk. Stage 1 runs the GDN mixers alone."""
+    mixers = [linear_params(student.gdn(i).modules()) for i in student.config.gdn_layers] or [0]
+    if kind == "align":
+        return {"none": sum(mixers), "checkpoint_mixers": max(mixers)}
+    every = linear_params(student.modules())
+    layers = [linear_params(layer.modules()) for layer in student.get_decoder().layers]
+    return {"none": every, "checkpoint_mixers": every - sum(mixers) + max(mixers),
+            "activation_checkpointing": max(layers) + linear_params([student.lm_head])}
+
+
+def fsdp_gathered(student, kind: str, state: StateBytes) -> int:
+    """What FSDP2 holds unsharded besides the shards at the end of a forward and the backward's first units: in
+    Stage 2 the root's parameters (everything outside the decoder layers: embeddings, final norm, head; the root is
+    not resharded after its forward; the head's gradient is the fused KL's, counted there) and two decoder layers
+    (the running unit and the prefetched one) with their unsharded gradients; in Stage 1 (the GDN mixers run on
+    their own) two mixers with their gradients."""
+    unit_bytes = state.weight + state.gradient
+    if kind == "distill":
+        root = sum(p.numel() for name, p in student.named_parameters() if not name.startswith("model.layers."))
+        units = [sum(p.numel() for p in layer.parameters()) for layer in student.get_decoder().layers]
+        return root * state.weight + 2 * max(units) * unit_bytes
+    units = [sum(p.numel() for p in student.gdn(i).parameters()) for i in student.config.gdn_layers] or [0]
+    return 2 * max(units) * unit_bytes
+
+
 def stage_memory(kind: str, node, cfg, model: Model, world: int, device_type: str) -> StageMemory:
     """Per-device memory of Stage 1 (`align`) or Stage 2 (`distill`) under the run's trainer."""
     trainer = cfg.trainer
     precision = Precision.parse(trainer.precision)
     strategy = Strategy.parse((trainer.get("stage_strategy") or {}).get(kind, trainer.strategy))
+    state = strategy.state_bytes(precision)
     teacher_dtype_name = (node.get("teacher_dtype") if kind == "distill" else None) or cfg.teacher.dtype
     teacher_dtype = getattr(torch, str(teacher_dtype_name))
-    w = precision.weight_bytes
-    student = model.student.to(precision.compute).train()
+    # Under autocast the residual stream, the norms and the GDN's recurrence stay float32 and only matmul outputs
+    # are in the compute dtype: tracing the float32 student bounds what autograd keeps from above.
+    trace_dtype = torch.float32 if state.autocast_copy else precision.compute
+    student = model.student.to(trace_dtype).train()
     trainable = model.student_params if kind == "distill" else model.gdn_params
     student.requires_grad_(kind == "distill")
     for i in student.config.gdn_layers:
@@ -403,26 +494,31 @@ def stage_memory(kind: str, node, cfg, model: Model, world: int, device_type: st
         trace = trace_decoder(student, batch, seq_len, device_type)
         activations = decoder_activations(trace, len(student.config.keep_layers), n_gdn)
         kl = kl_bytes(batch * seq_len, model.hidden_size, model.vocab_size, int(node.kl_chunk_size),
-                      precision.compute, teacher_dtype)
+                      trace_dtype, teacher_dtype)
     else:
-        mixer, loss = trace_alignment(student.gdn(student.config.gdn_layers[0]), batch, seq_len, precision.compute,
+        mixer, loss = trace_alignment(student.gdn(student.config.gdn_layers[0]), batch, seq_len, trace_dtype,
                                       device_type) if n_gdn else (0, 0)
         captured = 2 * n_gdn * batch * seq_len * model.hidden_size * dtype_bytes(teacher_dtype)
         activations = {"none": captured + n_gdn * (mixer + loss), "checkpoint_mixers": captured + n_gdn * loss + mixer}
         kl = 0
     tokens_per_step = batch * seq_len * world
-    notes = [strategy.note] if strategy.note else []
+    notes = [n for n in (strategy.note, state.note) if n]
+    if state.autocast_copy:
+        notes.append("activations traced in float32 (an upper bound under autocast: matmul outputs are in the "
+                     "compute dtype there)")
     checkpointing = checkpointing_of(node)
     if kind == "align":
         checkpointing = "checkpoint_mixers" if node.get("checkpoint_mixers", False) else "none"
         notes.append("activations: the teacher's captured GDN inputs and attention outputs, and every GDN's "
                      "alignment loss (activation_checkpointing does not apply: the student's decoder does not run)")
     return StageMemory(
-        weights=model.student_params * w // (world if strategy.shards_weights else 1),
-        gradients=trainable * w // (world if strategy.shards_gradients else 1),
-        optimizer=trainable * precision.optimizer_bytes // (world if strategy.shards_optimizer else 1),
+        weights=model.student_params * state.weight // (world if strategy.shards_weights else 1),
+        gradients=trainable * state.gradient // (world if strategy.shards_gradients else 1),
+        optimizer=trainable * state.optimizer // (world if strategy.shards_optimizer else 1),
         teacher=model.teacher_params * dtype_bytes(teacher_dtype),
-        buffers=strategy.buffers(trainable, precision, world),
+        buffers=strategy.buffers(trainable, state, world),
+        autocast={k: n * state.autocast_copy for k, n in autocast_copies(student, kind).items()},
+        gathered=fsdp_gathered(student, kind, state) if strategy.per_layer_units and world > 1 else 0,
         activations=activations, checkpointing=checkpointing, kl=kl, notes=notes,
         settings={"strategy": strategy.name, "precision": precision.name, "world_size": world,
                   "batch_per_rank": [batch, seq_len], "tokens_per_step": tokens_per_step,
@@ -502,13 +598,38 @@ def calibration_memory(cfg, model: Model, device_type: str) -> StageMemory:
     return memory
 
 
-def make_plan(cfg, device_gb: float = 80.0) -> dict:
-    """The plan of a composed `tcal` config (see the module docstring) as one JSON-ready object."""
+def host_plan(cfg, model: Model, stages: dict, world: int, headroom_gb: float) -> dict:
+    """Host memory of a node of `world` ranks (each rank one process), and what a SLURM job asks for it.
+
+    A rank holds at most one of these at a time: the teacher as loaded (its weights in `teacher.dtype` on the host
+    before they move to the device), the calibration statistics (`host_gb`), and on rank 0 the student's full
+    state dict for the export (float32: an upper bound). The student is built on the teacher's device on the meta
+    device first (`convert.build_student`): no host copy. Each process adds PROCESS_HOST_GB. `slurm_mem_gb` is
+    the node's sum plus the headroom, rounded up; `cpus_per_task` is HOST_CPUS_PER_RANK."""
+    teacher_load = model.teacher_params * dtype_bytes(getattr(torch, str(cfg.teacher.dtype)))
+    statistics = int(stages["calibration"].settings["host_gb"] * GB)
+    export = model.student_params * 4 if cfg.get("save_student", True) else 0
+    per_rank = max(teacher_load, statistics) + PROCESS_HOST_GB * GB
+    rank0 = max(teacher_load, statistics, export) + PROCESS_HOST_GB * GB
+    node = rank0 + (world - 1) * per_rank
+    return {"per_rank_gb": round(per_rank / GB, 2), "rank0_gb": round(rank0 / GB, 2),
+            "per_node_gb": round(node / GB, 2), "ranks": world,
+            "slurm_mem_gb": math.ceil(node / GB + headroom_gb), "cpus_per_task": HOST_CPUS_PER_RANK,
+            "parts_gb": {"teacher_load": round(teacher_load / GB, 2), "statistics": round(statistics / GB, 2),
+                         "export_rank0": round(export / GB, 2), "process": PROCESS_HOST_GB}}
+
+
+def make_plan(cfg, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HEADROOM_GB) -> dict:
+    """The plan of a composed `tcal` config (see the module docstring) as one JSON-ready object. A stage fits when
+    its peak plus `headroom_gb` (CUDA's context, the caching allocator's fragmentation, NCCL's buffers, kernels'
+    workspaces: what the plan does not count) is at most `device_gb`."""
     from tcal.retention.uniform import uniform_layers
     from tcal.teachers.load import teacher_architecture
     from tcal.training.run import stages_of, world_size
     from tcal.validate import validate_plan
 
+    if headroom_gb < 0 or headroom_gb >= device_gb:
+        raise ConfigError(f"--headroom-gb {headroom_gb:g}: expected 0 <= headroom < the device's {device_gb:g} GB")
     validate_plan(cfg)
     num_layers = teacher_architecture(cfg.teacher, cfg.paths.cache_dir).num_hidden_layers
     retention = retention_plan(cfg, num_layers)
@@ -532,9 +653,10 @@ def make_plan(cfg, device_gb: float = 80.0) -> dict:
         "retention": {**retention, "converted": num_layers - retention["kept"]},
         "trainer": {"accelerator": str(cfg.trainer.accelerator), "devices": world, "precision": str(cfg.trainer.precision),
                     "kernels": "fla + flash (CUDA)" if device_type == "cuda" else "torch chunk + flash (CPU)"},
-        "device_gb": device_gb, "per_device_gb": per_device,
-        "fits": all(stage.peak <= device_gb * GB for stage in stages.values()),
-        "stages": {kind: stage.as_dict(device_gb) for kind, stage in stages.items()},
+        "device_gb": device_gb, "headroom_gb": headroom_gb, "per_device_gb": per_device,
+        "fits": all(stage.fits(device_gb, headroom_gb) for stage in stages.values()),
+        "stages": {kind: stage.as_dict(device_gb, headroom_gb) for kind, stage in stages.items()},
+        "host": host_plan(cfg, model, stages, world, headroom_gb),
         "notes": notes,
     }
 
@@ -546,7 +668,8 @@ ROWS = (  # (label, key in a stage's dict)
     ("init", "init"), ("strategy", "strategy"), ("precision", "precision"), ("batch per rank", "batch_per_rank"),
     ("tokens per step", "tokens_per_step"), ("steps", "steps"), ("weights GB", "weights_gb"),
     ("gradients GB", "gradients_gb"), ("optimizer GB", "optimizer_gb"), ("teacher GB", "teacher_gb"),
-    ("buffers GB", "buffers_gb"), ("activations GB", "activations_gb"), ("kl GB", "kl_gb"), ("peak GB", "peak_gb"),
+    ("buffers GB", "buffers_gb"), ("autocast copies GB", "autocast_gb"), ("gathered units GB", "gathered_gb"),
+    ("activations GB", "activations_gb"), ("kl GB", "kl_gb"), ("peak GB", "peak_gb"), ("free GB", "free_gb"),
     ("fits", "fits"),
 )
 
@@ -562,7 +685,7 @@ def _cell(value) -> str:
 
 
 def format_plan(plan: dict, label: str) -> str:
-    ret = plan["retention"]
+    ret, host = plan["retention"], plan["host"]
     kept = ret["keep_layers"] if ret["keep_layers"] is not None else f"({ret['note']})"
     lines = [f"tcal-plan {label}",
              f"teacher  {plan['teacher']} ({plan['model_type']}, {plan['num_layers']} layers): "
@@ -572,7 +695,9 @@ def format_plan(plan: dict, label: str) -> str:
              f"retention {ret['policy']}: keep {kept}",
              f"trainer  {plan['trainer']['devices']} x {plan['trainer']['accelerator']}, "
              f"{plan['trainer']['precision']}, kernels {plan['trainer']['kernels']}; fits {plan['device_gb']:g} GB "
-             f"per device: {_cell(plan['fits'])}", ""]
+             f"per device with {plan['headroom_gb']:g} GB headroom: {_cell(plan['fits'])}",
+             f"host     {host['per_node_gb']:g} GB per node of {host['ranks']} ranks (rank 0 {host['rank0_gb']:g} GB): "
+             f"SLURM mem_gb={host['slurm_mem_gb']}, cpus_per_task={host['cpus_per_task']}", ""]
     stages = [k for k in ("calibration", "align", "distill") if k in plan["stages"]]
     rows = [["", *stages]]
     for name, key in ROWS:
@@ -607,6 +732,15 @@ def markdown_table(plans: list[tuple[str, dict]]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ entry
+
+
+def slurm_env(plans: list[dict]) -> str:
+    """`export` of the variables conf/hydra/launcher/slurm_gpu.yaml reads, from the plans' host figures (the
+    largest of each over the plans: one SLURM preset serves every job of a sweep)."""
+    mem = max(plan["host"]["slurm_mem_gb"] for plan in plans)
+    cpus = max(plan["host"]["cpus_per_task"] for plan in plans)
+    gpus = max(plan["trainer"]["devices"] for plan in plans)
+    return f"export TCAL_SLURM_MEM_GB={mem} TCAL_CPUS_PER_TASK={cpus} TCAL_GPUS_PER_NODE={gpus}"
 
 
 def compose_config(overrides: list[str]):
@@ -666,13 +800,22 @@ def main(argv=None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for tcal (group=a,b plans each)")
     parser.add_argument("--json", action="store_true", help="one JSON object per plan")
     parser.add_argument("--markdown", action="store_true", help="one markdown table row per plan")
+    parser.add_argument("--slurm-env", action="store_true",
+                        help="the environment hydra/launcher=slurm_gpu reads (memory, CPUs and GPUs of a node), "
+                             "the largest over the plans: eval \"$(tcal-plan ... --slurm-env)\"")
     parser.add_argument("--device-gb", type=float, default=80.0, help="memory of one device (default 80)")
+    parser.add_argument("--headroom-gb", type=float, default=DEFAULT_HEADROOM_GB,
+                        help=f"kept free on each device: fits means peak + headroom <= device "
+                             f"(default {DEFAULT_HEADROOM_GB:g})")
     args = parser.parse_args(argv)
     try:
-        runs = [(label_of(o), make_plan(compose_config(o), args.device_gb)) for o in expand_sweeps(args.overrides)]
+        runs = [(label_of(o), make_plan(compose_config(o), args.device_gb, args.headroom_gb))
+                for o in expand_sweeps(args.overrides)]
     except ConfigError as err:
         config_error_exit(err)
-    if args.json:
+    if args.slurm_env:
+        print(slurm_env([plan for _, plan in runs]), flush=True)
+    elif args.json:
         for label, plan in runs:
             print(json.dumps({"run": label, **plan}), flush=True)
     elif args.markdown:

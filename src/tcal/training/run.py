@@ -26,7 +26,7 @@ from tcal.config import TrainerSettings, stages_of
 from tcal.data import eval_sets, token_windows
 from tcal.distributed import world_size
 from tcal.evaluate.validation import eval_dataloaders
-from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes, weights_digest
+from tcal.fingerprint import digest, plain, teacher_fingerprint, weights_digest
 from tcal.record import is_stage_record
 from tcal.results import atomic_checkpoint_io
 from tcal.rerun import checkpoint_progress
@@ -75,10 +75,10 @@ def stage1_key(ctx, student, plan: StagePlan) -> str:
     """Everything a finished Stage 1 depends on: teacher, keep list, the GDN layers' starting weights, the stage
     settings, its training windows, the seed, the number of ranks and, when it is not 32-true (whose entries keep
     their keys), the precision. The strategy is not in it: FSDP gives DDP's Stage 1 (tests/test_fsdp.py)."""
-    gdn_start = [tensor_bytes(t) for t in gdn_state(student).values()]
+    gdn_start = gdn_state(student).values()  # hashed tensor by tensor (fingerprint.digest streams tensors)
     precision = str(ctx.settings.trainer.precision)
     return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, stage1_settings(plan.cfg),
-                  tensor_bytes(plan.data.windows), int(ctx.settings.seed), world_size(ctx.settings.trainer),
+                  plan.data.windows, int(ctx.settings.seed), world_size(ctx.settings.trainer),
                   *([precision] if precision != "32-true" else []))
 
 
