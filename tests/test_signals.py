@@ -272,3 +272,31 @@ def test_an_interrupted_sweep_lists_its_failed_jobs_too(tmp_path):
         f"learning rate > 0",
         f"tcal: sweep job 1 did not finish ({sweep_dir / '1'}): interrupted by SIGTERM (signal 15)",
         f"tcal: sweep job 2 did not run ({sweep_dir / '2'}): stage.lr_mixer=0.002"]
+
+
+TWO_RANKS = ("trainer=ddp", "trainer.accelerator=cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_to_a_two_rank_job_reaches_its_ranks_and_the_rerun_resumes_exactly(signum, tmp_path):
+    """The job's process passes its signal to the ranks it started: the record says which signal, the job exits
+    128 + its number, no rank is left running, and the same command continues to the uninterrupted 2-rank result."""
+    straight = tmp_path / "straight"
+    code, out, _ = tcal(*EVERY_PHASE, *TWO_RANKS, f"paths.cache_dir={isolated_cache_dir(tmp_path / 'c0')}",
+                        f"hydra.run.dir={straight}")
+    assert code == 0, out[-3000:]
+    args = (*EVERY_PHASE, *TWO_RANKS, f"paths.cache_dir={isolated_cache_dir(tmp_path / 'c1')}",
+            f"hydra.run.dir={tmp_path / 'run'}")
+    code, out, sent = tcal(*args, signal_on=PHASES["stage2"][0], signum=signum)
+    assert sent and code == 128 + signum, out[-3000:]
+    ranks = [pid for pid in os.listdir("/proc") if pid.isdigit() and b"tcal.rank" in
+             Path(f"/proc/{pid}/cmdline").read_bytes()] if Path("/proc/self/cmdline").exists() else []
+    assert not ranks  # the tests run one at a time: any rank process still alive is this job's
+    record = read(tmp_path / "run")
+    assert record["status"] == "failed"
+    assert record["error"] == f"interrupted by {signum.name} (signal {int(signum)})"
+    code, out, _ = tcal(*args)
+    assert code == 0, out[-3000:]
+    assert_same_result(read(tmp_path / "run"), read(straight))
+    assert_same_weights(tmp_path / "run", straight)

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tcal.signals import Interrupted, as_interrupt
+
 log = logging.getLogger("tcal.rank")  # also when run as __main__
 
 # How long the other ranks get to stop on their own once one rank failed: a rank that raised a shared error is
@@ -99,6 +101,10 @@ def run_ranks(cfg, run_dir: Path, resume: bool) -> None:
                 processes[rank] = subprocess.Popen([sys.executable, "-m", "tcal.rank", str(spec)], env=env,
                                                    stdin=subprocess.DEVNULL)
             failed = wait_for_ranks(processes)
+        except (Interrupted, KeyboardInterrupt) as err:  # the ranks get the job's signal: each records it
+            stop(processes, [rank for rank, process in processes.items() if process.poll() is None],
+                 as_interrupt(err).signum)
+            raise
         finally:
             stop(processes, [rank for rank, process in processes.items() if process.poll() is None])
         if not failed:
@@ -133,10 +139,10 @@ def wait_for_ranks(processes: dict[int, subprocess.Popen]) -> list[int]:
         time.sleep(POLL_S)
 
 
-def stop(processes: dict[int, subprocess.Popen], ranks: list[int]) -> None:
-    """SIGTERM to `ranks`, then SIGKILL to those still running `KILL_AFTER_S` later; waits for all of them."""
+def stop(processes: dict[int, subprocess.Popen], ranks: list[int], signum: int = signal.SIGTERM) -> None:
+    """`signum` (SIGTERM) to `ranks`, then SIGKILL to those still running `KILL_AFTER_S` later; waits for all."""
     for rank in ranks:
-        processes[rank].terminate()
+        processes[rank].send_signal(signum)
     deadline = time.monotonic() + KILL_AFTER_S
     for rank in ranks:
         try:
@@ -220,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
         from tcal.pipeline import run
 
         run(cfg, Path(spec["run_dir"]), resume=bool(spec["resume"]), ranks=launch(cfg.trainer))
+    except (Interrupted, KeyboardInterrupt) as err:  # the record says so (tcal.record); the job's process exits
+        interrupt = as_interrupt(err)
+        log.warning("rank %d of %d stops: %s", rank, world, interrupt)
+        sys.exit(interrupt.exit_code)
     except Exception as err:  # noqa: BLE001 - reported to the job's process, which decides what the job did
         report(Path(spec["reports"]), rank, err)
         if isinstance(err, (ConfigError, Divergence)):
