@@ -129,6 +129,22 @@ class ScoredRetentionSettings(RetentionSettings):
 
 
 @dataclass
+class RecallRetentionSettings(RetentionSettings):
+    """`recall`: layers scored by the rise of the teacher's loss on retrieved answers beyond its rise on text, on
+    synthetic needle sequences cut from the calibration split."""
+
+    name: str = "recall"
+    seq_len: int = 256
+    num_prompts: int = 8
+    batch_size: int = 4
+    probe_seed: int = 0
+    probe: str = "bypass"
+    scored: Optional[int] = None
+    fill: str = "text"
+    cache: bool = True
+
+
+@dataclass
 class ExplicitRetentionSettings:
     """`explicit`: exactly the layers in `keep`."""
 
@@ -442,7 +458,8 @@ def settings_class(group: str, node) -> type:
     if group == "data":
         return HubDataSettings if node.get("source") == "datasets" else DataSettings
     if group == "retention":
-        return {"explicit": ExplicitRetentionSettings, "uniform": RetentionSettings}.get(name, ScoredRetentionSettings)
+        return {"explicit": ExplicitRetentionSettings, "uniform": RetentionSettings,
+                "recall": RecallRetentionSettings}.get(name, ScoredRetentionSettings)
     if group == "init":
         return INIT_SETTINGS.get(name, InitSettings)
     if group == "stage":
@@ -482,6 +499,7 @@ SCHEMAS = {
     "retention/ratio": RetentionSettings,
     "retention/scored": ScoredRetentionSettings,
     "retention/explicit": ExplicitRetentionSettings,
+    "retention/recall": RecallRetentionSettings,
     "init/init": InitSettings,
     "init/calibrated": CalibratedInitSettings,
     "init/gate": GateInitSettings,

@@ -172,6 +172,8 @@ FIELDS: dict[str, Field] = {
     "ratio": Field(NUMBER, "converted", "the share of layers kept (null for the explicit policy)"),
     "keep_layers": Field(list_of(INTEGER), "converted", "the layers that stay softmax attention"),
     "retention_scores": Field(dict_of(NUMBER), "converted", "layer -> the policy's score"),
+    "retention_details": Field(OBJECT, None, "what the policy measured besides the scores (recall: both loss "
+                                             "rises per layer, the layers chosen by the score, scoring seconds)"),
     "init_mode": Field(TEXT, "converted", "the init mode"),
     "gqa_expansion": Field(TEXT, "converted", "how KV heads were expanded in the conversion"),
     "stage": Field(TEXT, "converted", "the training stages (none: zero-shot)"),
