@@ -110,8 +110,9 @@ def harness(ctx, student) -> dict | None:
 
 
 def ruler(ctx, student) -> dict | None:
-    """{"teacher": {length: {task: score}}, "student": {...}} or None when `eval.ruler.name` is none."""
-    from tcal.evaluate.ruler import score_ruler
+    """{"teacher": {length: {task: score}}, "student": {...}, "n": {length: {task: examples}}, "summary": {role:
+    {"needle" | "other" | "all": {mean, se, n}}}} or None when `eval.ruler.name` is none (`ruler_summary`)."""
+    from tcal.evaluate.ruler import ruler_summary, score_ruler
 
     cfg = ctx.settings.eval.ruler
     if cfg.name == "none":
@@ -123,8 +124,10 @@ def ruler(ctx, student) -> dict | None:
                            desc=f"RULER {role}")
 
     settings = {**plain(cfg), "docs": _docs_digest(ctx.splits.evaluation)}
-    return {"teacher": cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher, "teacher")),
-            "student": run(student, "student")}
+    scores = {"teacher": cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher, "teacher")),
+              "student": run(student, "student")}
+    n = {str(length): {task: int(cfg.n) for task in cfg.tasks} for length in cfg.lengths}
+    return {**scores, "n": n, "summary": {role: ruler_summary(scores[role], n) for role in scores}}
 
 
 def evaluate(ctx, student) -> dict:
