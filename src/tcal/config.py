@@ -87,6 +87,7 @@ class DataSettings:
     calibration_docs: int = 2
     evaluation_docs: int = 4
     eval_files: List[str] = field(default_factory=list)  # extra eval sets, each named by its file stem
+    retrieval_mix: float = 0.0  # fraction of training samples replaced by synthetic retrieval sequences (0: off)
 
 
 @dataclass

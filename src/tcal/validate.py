@@ -244,6 +244,16 @@ def check_data(cfg) -> None:
     one_of("data.source", data.source, sorted(SOURCES))
     for key in ("calibration_docs", "evaluation_docs"):
         positive_int(f"data.{key}", data[key])
+    mix = data.get("retrieval_mix", 0.0)
+    in_range("data.retrieval_mix", mix, 0.0, 1.0, "a fraction in [0, 1) of training samples (0: no retrieval mix)")
+    if mix > 0:
+        from tcal.retention.recall import MIN_SEQ_LEN
+
+        for _, node, prefix in stages_of(cfg.stage):
+            if isinstance(node.seq_len, int) and node.seq_len < MIN_SEQ_LEN:
+                raise ConfigError(f"{prefix}.seq_len={node.seq_len} is too short for data.retrieval_mix={mix}; "
+                                  f"expected at least {MIN_SEQ_LEN} tokens (a retrieval sequence holds needles, a "
+                                  f"question and an answer besides its text)")
     if data.source == "datasets":
         check_dataset_reachable(data)
     if data.source == "files":

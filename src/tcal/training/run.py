@@ -62,7 +62,8 @@ def plan_stages(ctx) -> list[StagePlan]:
         tokens_per_step = node.batch_size * node.seq_len * world
         total_steps = node.max_tokens // tokens_per_step
         data = PackedTextDataModule(ctx.splits.train, ctx.tokenizer, node.seq_len, node.batch_size, total_steps,
-                                    int(settings.seed), ctx.cache_dir if node.cache_tokens else None)
+                                    int(settings.seed), ctx.cache_dir if node.cache_tokens else None,
+                                    float(settings.data.retrieval_mix))
         plans.append(StagePlan(kind, node, prefix, data, total_steps,
                                max(round(node.eval_every_tokens / tokens_per_step), 1), tokens_per_step))
     return plans
@@ -70,10 +71,11 @@ def plan_stages(ctx) -> list[StagePlan]:
 
 def stage1_key(ctx, student, plan: StagePlan) -> str:
     """Everything a finished Stage 1 depends on: teacher, keep list, the GDN layers' starting weights, the stage
-    settings, its training windows, the seed and the number of ranks."""
+    settings, its training windows, the retrieval mix (when on), the seed and the number of ranks."""
     gdn_start = [tensor_bytes(t) for t in gdn_state(student).values()]
+    mix = [("retrieval_mix", plan.data.retrieval_mix)] if plan.data.retrieval_mix > 0 else []
     return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, stage1_settings(plan.cfg),
-                  tensor_bytes(plan.data.windows), int(ctx.settings.seed), world_size(ctx.settings.trainer))
+                  tensor_bytes(plan.data.windows), int(ctx.settings.seed), world_size(ctx.settings.trainer), *mix)
 
 
 def stage1_settings(cfg) -> dict:
