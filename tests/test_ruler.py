@@ -1,6 +1,7 @@
 """RULER-style tasks: the answer is recoverable from the prompt, a perfect copier scores 1, garbage scores 0."""
 
 import importlib.util
+import math
 import re
 from pathlib import Path
 
@@ -147,3 +148,51 @@ def test_ranks_shares_of_the_examples_add_up_to_one_process(documents, tokenizer
     assert 0 < sum(hits for hits, _ in whole.values()) < 5 * len(TASKS)  # a mix of hits and misses
     scores = score_ruler(model, tokenizer, documents, **kwargs, ranks=Ranks())
     assert scores == {"512": {task: whole[(512, task)][0] / 5 for task in TASKS}}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# needle subtasks apart, examples and standard errors
+
+
+def test_summary_splits_needle_subtasks_from_the_others_with_standard_errors():
+    from tcal.evaluate.ruler import ruler_summary, standard_error
+
+    scores = {"512": {"niah_single": 0.8, "niah_multikey": 0.4, "variable_tracking": 0.0},
+              "1024": {"niah_single": 0.6, "niah_multikey": 0.2, "variable_tracking": 0.5}}
+    summary = ruler_summary(scores, 50)
+    needle = [0.8, 0.4, 0.6, 0.2]
+    assert summary["needle"]["mean"] == pytest.approx(sum(needle) / 4)
+    assert summary["needle"]["se"] == pytest.approx(math.sqrt(sum(p * (1 - p) / 50 for p in needle)) / 4)
+    assert summary["needle"]["n"] == 200
+    assert summary["other"] == {"mean": pytest.approx(0.25), "se": pytest.approx(math.sqrt(0.25 / 50) / 2), "n": 100}
+    assert summary["all"]["mean"] == pytest.approx(2.5 / 6) and summary["all"]["n"] == 300
+    assert standard_error(0.5, 100) == pytest.approx(0.05) and standard_error(1.0, 10) == 0.0
+    only_needles = ruler_summary({"512": {"niah_single": 1.0}}, {"512": {"niah_single": 20}})
+    assert only_needles["other"] is None and only_needles["needle"] == {"mean": 1.0, "se": 0.0, "n": 20}
+
+
+def test_report_prints_each_subtask_with_its_standard_error_and_examples(tmp_path):
+    import json
+
+    from tcal.record import example_record
+    from tcal.report import build_report
+
+    ruler = {"teacher": {"512": {"niah_single": 1.0, "variable_tracking": 0.0}},
+             "student": {"512": {"niah_single": 0.5, "variable_tracking": 0.25}},
+             "n": {"512": {"niah_single": 20, "variable_tracking": 20}}}
+    recall = example_record(retention="recall", keep_layers=[0, 3], ruler=ruler,
+                            retention_details={"rank": {"0": 2, "3": 1}, "seconds": 12.5})
+    old = example_record(ruler={k: ruler[k] for k in ("teacher", "student")},
+                         config={"seed": 0, "stage": {"name": "none"}, "eval": {"ruler": {"n": 10}}})
+    for name, data in (("recall", recall), ("old", old)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(data))
+    markdown = build_report(tmp_path, tmp_path / "report")
+    section = markdown.split("## Retrieval")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert "niah_single @ 512" in rows[0] and "needle subtasks" in rows[0] and "other subtasks" in rows[0]
+    teacher, uniform, recall_row = rows[2], rows[3], rows[4]
+    assert "1.00 ± 0.00 (n=10)" in teacher  # from the first run of the teacher (the old record)
+    assert "| uniform |" in uniform and "0.50 ± 0.16 (n=10)" in uniform  # n from the old record's config
+    assert "| recall |" in recall_row and "| 1 2 |" in recall_row  # the converted layers
+    assert "0.50 ± 0.11 (n=20)" in recall_row and "0.25 ± 0.10 (n=20)" in recall_row and "| 12 |" in recall_row

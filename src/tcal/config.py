@@ -93,6 +93,7 @@ class DataSettings:
     calibration_docs: int = 2
     evaluation_docs: int = 4
     eval_files: List[str] = field(default_factory=list)  # extra eval sets, each named by its file stem
+    retrieval_mix: float = 0.0  # fraction of training samples replaced by synthetic retrieval sequences (0: off)
 
 
 @dataclass
@@ -131,6 +132,22 @@ class ScoredRetentionSettings(RetentionSettings):
     seq_len: int = 256
     num_windows: int = 8
     batch_size: int = 4
+    cache: bool = True
+
+
+@dataclass
+class RecallRetentionSettings(RetentionSettings):
+    """`recall`: layers scored by the rise of the teacher's loss on retrieved answers beyond its rise on text, on
+    synthetic needle sequences cut from the calibration split."""
+
+    name: str = "recall"
+    seq_len: int = 256
+    num_prompts: int = 8
+    batch_size: int = 4
+    probe_seed: int = 0
+    probe: str = "bypass"
+    scored: Optional[int] = None
+    fill: str = "text"
     cache: bool = True
 
 
@@ -447,7 +464,8 @@ def settings_class(group: str, node) -> type:
     if group == "data":
         return HubDataSettings if node.get("source") == "datasets" else DataSettings
     if group == "retention":
-        return {"explicit": ExplicitRetentionSettings, "uniform": RetentionSettings}.get(name, ScoredRetentionSettings)
+        return {"explicit": ExplicitRetentionSettings, "uniform": RetentionSettings,
+                "recall": RecallRetentionSettings}.get(name, ScoredRetentionSettings)
     if group == "init":
         return INIT_SETTINGS.get(name, InitSettings)
     if group == "stage":
@@ -487,6 +505,7 @@ SCHEMAS = {
     "retention/ratio": RetentionSettings,
     "retention/scored": ScoredRetentionSettings,
     "retention/explicit": ExplicitRetentionSettings,
+    "retention/recall": RecallRetentionSettings,
     "init/init": InitSettings,
     "init/calibrated": CalibratedInitSettings,
     "init/gate": GateInitSettings,

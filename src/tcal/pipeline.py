@@ -101,6 +101,8 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
         ratio=cfg.retention.get("ratio"), keep_layers=selection.keep_layers, retention_scores=selection.scores,
         init_mode=cfg.init.name, gqa_expansion=cfg.init.gqa_expansion, stage=cfg.stage.name,
         kernel_path=kernel_path(device), config=OmegaConf.to_container(cfg, resolve=True), timings=timings)
+    if selection.details:
+        results["retention_details"] = selection.details
     results_path = run_dir / RESULTS
     earlier = read_record(run_dir) if resume else None
 

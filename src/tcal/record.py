@@ -150,7 +150,10 @@ POSITION_BUCKET = shape({"start": INTEGER, "end": INTEGER, "tokens": INTEGER, "t
                          "student_ppl": NUMBER})
 EVAL_SET = shape({"teacher_ppl": NUMBER, "student_ppl": NUMBER}, {"by_position": list_of(POSITION_BUCKET)})
 HARNESS = shape({"teacher": dict_of(dict_of(NUMBER)), "student": dict_of(dict_of(NUMBER))})  # task -> metric
-RULER = shape({"teacher": dict_of(dict_of(NUMBER)), "student": dict_of(dict_of(NUMBER))})  # length -> task
+SUMMARY_CELL = nullable(shape({"mean": NUMBER, "se": NUMBER, "n": INTEGER}))
+RULER = shape({"teacher": dict_of(dict_of(NUMBER)), "student": dict_of(dict_of(NUMBER))},  # length -> task
+              {"n": dict_of(dict_of(INTEGER)),  # length -> task -> examples
+               "summary": dict_of(shape({"needle": SUMMARY_CELL, "other": SUMMARY_CELL, "all": SUMMARY_CELL}))})
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,8 @@ FIELDS: dict[str, Field] = {
     "ratio": Field(NUMBER, "converted", "the share of layers kept (null for the explicit policy)"),
     "keep_layers": Field(list_of(INTEGER), "converted", "the layers that stay softmax attention"),
     "retention_scores": Field(dict_of(NUMBER), "converted", "layer -> the policy's score"),
+    "retention_details": Field(OBJECT, None, "what the policy measured besides the scores (recall: both loss "
+                                             "rises per layer, the layers chosen by the score, scoring seconds)"),
     "init_mode": Field(TEXT, "converted", "the init mode"),
     "gqa_expansion": Field(TEXT, "converted", "how KV heads were expanded in the conversion"),
     "stage": Field(TEXT, "converted", "the training stages (none: zero-shot)"),
@@ -185,7 +190,8 @@ FIELDS: dict[str, Field] = {
     "curve": Field(CURVE, None, "the last stage's perplexity curve: eval set -> [{tokens, ppl}]"),
     "metrics": Field(dict_of(EVAL_SET), "complete", "eval set -> teacher and student perplexity"),
     "harness": Field(HARNESS, None, "lm-eval: teacher / student -> task -> metric -> value"),
-    "ruler": Field(RULER, None, "RULER: teacher / student -> length -> task -> exact match"),
+    "ruler": Field(RULER, None, "RULER: teacher / student -> length -> task -> exact match; n: length -> task -> "
+                                "examples; summary: role -> needle / other / all -> {mean, se, n}"),
     "student_path": Field(TEXT, None, "where the student was exported"),
     NON_FINITE: Field(shape({"note": TEXT, "values": list_of(TEXT)}), None, "the values written as null"),
 }

@@ -30,7 +30,7 @@ from tcal.settings import leaf_items
 from tcal.tracking import finish, log_table, wandb_logger
 
 INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full", "full_plus")
-POLICY_ORDER = ("uniform", "ar", "ga_s2", "explicit")  # the paper's table order
+POLICY_ORDER = ("uniform", "ar", "ga_s2", "recall", "explicit")  # the paper's table order
 ABLATION_INITS = ("naive", "zero_gate", "phase1", "phase2", "full")
 TARGET_MULTIPLES = (1.10, 1.15, 1.20, 1.25, 1.5, 2.0, 3.0)
 MISSING = "-"
@@ -93,6 +93,11 @@ class Run:
     config: dict = field(default_factory=dict)  # the recorded settings, {"a.b": value}
     variant: str = ""                 # the settings that tell it from runs of the same group, init and stage
     variant_keys: tuple[str, ...] = ()  # their keys ("calibration.seq_len", ...)
+    ruler_cells: dict = field(default_factory=dict)  # role -> {(length, task): (exact match, examples)}
+    keep_layers: list[int] = field(default_factory=list)
+    num_layers: int = 0
+    retention_details: dict = field(default_factory=dict)  # results.json's (recall: ranks, scoring seconds)
+    retention_seconds: float | None = None  # the run's retention step (scoring, or reading the cached scores)
 
     @property
     def group(self) -> tuple[str, str, float]:
@@ -138,12 +143,25 @@ def _normalize(path: Path, data: dict) -> Run:
                      if m.get("by_position")},
         stage=data["stage"], tokens_trained=sum(r["tokens_seen"] for r in (data.get("stages") or {}).values()),
         config=leaf_items(data.get("config") or {}),
+        ruler_cells={role: _ruler_cells(ruler, role, data.get("config") or {}) for role in ("teacher", "student")},
+        keep_layers=list(data["keep_layers"]), num_layers=int(data["teacher"]["num_layers"]),
+        retention_details=data.get("retention_details") or {},
+        retention_seconds=(data.get("timings") or {}).get("retention"),
     )
 
 
 def _number(value) -> float:
     """A recorded number; null (a NaN or infinite value, `tcal.record`) is NaN here: shown as non-finite."""
     return math.nan if value is None else float(value)
+
+
+def _ruler_cells(ruler: dict, role: str, config: dict) -> dict:
+    """{(length, task): (exact match, examples)}: examples from the record's `n`, else from its config's
+    `eval.ruler.n` (records written before `n` was recorded)."""
+    default_n = ((config.get("eval") or {}).get("ruler") or {}).get("n")
+    counts = ruler.get("n") or {}
+    return {(length, task): (score, (counts.get(length) or {}).get(task, default_n))
+            for length, by_task in (ruler.get(role) or {}).items() for task, score in by_task.items()}
 
 
 def _position_bucket(bucket: dict) -> dict:
@@ -327,6 +345,65 @@ def zero_shot_table(runs: list[Run]) -> Table:
                 *(fmt_score(by_init[i].ruler["student"]) if i in by_init else MISSING for i in ruler_inits),
             ])
     return header, rows
+
+
+def fmt_rate(p: float | None, n: int | None) -> str:
+    """An exact-match rate with its binomial standard error and examples: `0.80 ± 0.06 (n=50)`."""
+    from tcal.evaluate.ruler import standard_error
+
+    if p is None or n is None:
+        return MISSING
+    return f"{p:.2f} ± {standard_error(p, int(n)):.2f} (n={int(n)})"
+
+
+def fmt_summary(cell: dict | None) -> str:
+    return MISSING if cell is None else f"{cell['mean']:.2f} ± {cell['se']:.2f} (n={cell['n']})"
+
+
+def retrieval_table(runs: list[Run]) -> Table:
+    """RULER per subtask and length, needle subtasks and the others apart beside the aggregate, each cell with its
+    standard error and examples; with the converted layers, recall's ranks of the layers the report names
+    (`RANKED_LAYERS`), perplexity per eval set and the retention step's seconds. A teacher row heads each teacher."""
+    from tcal.evaluate.ruler import NEEDLE_TASKS, TASKS, cell_summary
+
+    with_ruler = [r for r in runs if r.ruler_cells.get("student")]
+    cells = sorted({c for r in with_ruler for role in ("teacher", "student") for c in r.ruler_cells[role]},
+                   key=lambda c: (_rank(c[1], TASKS), c[1], int(c[0]) if c[0].isdigit() else c[0]))
+    eval_sets = sorted({s for r in with_ruler for s in r.student_ppl})
+    header = ["teacher", "policy", "ratio", "init", "stage", "GDN layers",
+              *(f"recall rank of layer {i}" for i in RANKED_LAYERS),
+              *(f"{task} @ {length}" for length, task in cells), "needle subtasks", "other subtasks", "all subtasks",
+              *(f"PPL {s}" for s in eval_sets), "retention s"]
+
+    def summaries(by_cell: dict) -> list[str]:
+        pairs = [(task, p, n) for (length, task), (p, n) in by_cell.items() if n]
+        return [fmt_summary(cell_summary([(p, n) for t, p, n in pairs if keep(t)]))
+                for keep in (lambda t: t in NEEDLE_TASKS, lambda t: t not in NEEDLE_TASKS, lambda t: True)]
+
+    rows, teachers_done = [], set()
+    order = sorted(with_ruler, key=lambda r: (r.teacher, _rank(r.policy, POLICY_ORDER), r.policy, r.ratio,
+                                              _rank(r.init_mode, INIT_ORDER), r.init, r.stage))
+    for run in order:
+        if run.teacher not in teachers_done and run.ruler_cells.get("teacher"):
+            teachers_done.add(run.teacher)
+            by_cell = run.ruler_cells["teacher"]
+            rows.append([run.teacher, "-", "1", "teacher", "-", "none", *(MISSING for _ in RANKED_LAYERS),
+                         *(fmt_rate(*by_cell.get(c, (None, None))) for c in cells), *summaries(by_cell),
+                         *(fmt_ppl(run.teacher_ppl.get(s)) for s in eval_sets), MISSING])
+        by_cell = run.ruler_cells["student"]
+        ranks = (run.retention_details or {}).get("rank") or {}
+        converted = [i for i in range(run.num_layers) if i not in run.keep_layers]
+        seconds = (run.retention_details or {}).get("seconds", run.retention_seconds)
+        rows.append([run.teacher, run.policy, f"{run.ratio:g}", run.init, run.stage,
+                     " ".join(map(str, converted)) or "none",
+                     *(str(ranks.get(str(i), MISSING)) for i in RANKED_LAYERS),
+                     *(fmt_rate(*by_cell.get(c, (None, None))) for c in cells), *summaries(by_cell),
+                     *(fmt_ppl(run.student_ppl.get(s)) for s in eval_sets),
+                     MISSING if seconds is None else f"{float(seconds):.0f}"])
+    return header, rows
+
+
+RANKED_LAYERS = (7, 18)  # SmolLM2's retrieving layers (docs/results.md, "Long context"): where recall ranks them
 
 
 def ablation_table(runs: list[Run]) -> Table:
@@ -580,6 +657,8 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
                                    f"evaluations; gain = {baseline} tokens / the init's tokens", efficiency,
                                    efficiency_notes),
               "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs), []),
+              "retrieval": ("Retrieval: RULER exact match ± standard error (examples) per subtask and length, needle "
+                            "subtasks and the others apart", retrieval_table(runs), []),
               "by_position": ("Zero-shot perplexity by position in the window (student PPL and student/teacher per "
                               "bucket of positions)", position_table(runs), [])}
     counts = (f"{len(runs)} complete runs, {len(found.failed)} failed, {len(found.incomplete)} incomplete, "

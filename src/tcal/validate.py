@@ -211,6 +211,32 @@ def check_retention(cfg, num_layers: int | None) -> None:
         for key in ("num_windows", "batch_size"):
             positive_int(f"retention.{key}", ret[key])
         window_length("retention.seq_len", ret.seq_len)
+    if ret.name == "recall":
+        check_recall(ret, num_layers)
+
+
+def check_recall(ret, num_layers: int | None) -> None:
+    """The probe of `retention=recall`: its size, its kind, and how the kept layers are split between the score and
+    the fill."""
+    from tcal.retention.recall import FILLS, MIN_SEQ_LEN, PROBES
+
+    for key in ("num_prompts", "batch_size"):
+        positive_int(f"retention.{key}", ret[key])
+    if not isinstance(ret.seq_len, int) or isinstance(ret.seq_len, bool) or ret.seq_len < MIN_SEQ_LEN:
+        raise ConfigError(f"retention.seq_len={ret.seq_len!r}; expected an integer >= {MIN_SEQ_LEN} (a probe "
+                          f"sequence holds needles, a question and an answer besides its text)")
+    if not isinstance(ret.probe_seed, int) or isinstance(ret.probe_seed, bool) or ret.probe_seed < 0:
+        raise ConfigError(f"retention.probe_seed={ret.probe_seed!r}; expected an integer >= 0")
+    one_of("retention.probe", ret.probe, PROBES)
+    one_of("retention.fill", ret.fill, FILLS)
+    scored = ret.get("scored")
+    if scored is not None:
+        if not isinstance(scored, int) or isinstance(scored, bool) or scored < 0:
+            raise ConfigError(f"retention.scored={scored!r}; expected null (every kept layer chosen by the score) or "
+                              f"an integer >= 0")
+        if num_layers is not None and scored > num_kept(ret.ratio, num_layers):
+            raise ConfigError(f"retention.scored={scored} is more than the {num_kept(ret.ratio, num_layers)} layers "
+                              f"retention.ratio={ret.ratio} keeps of {num_layers}")
 
 
 def check_data(cfg) -> None:
@@ -218,6 +244,16 @@ def check_data(cfg) -> None:
     one_of("data.source", data.source, sorted(SOURCES))
     for key in ("calibration_docs", "evaluation_docs"):
         positive_int(f"data.{key}", data[key])
+    mix = data.get("retrieval_mix", 0.0)
+    in_range("data.retrieval_mix", mix, 0.0, 1.0, "a fraction in [0, 1) of training samples (0: no retrieval mix)")
+    if mix > 0:
+        from tcal.retention.recall import MIN_SEQ_LEN
+
+        for _, node, prefix in stages_of(cfg.stage):
+            if isinstance(node.seq_len, int) and node.seq_len < MIN_SEQ_LEN:
+                raise ConfigError(f"{prefix}.seq_len={node.seq_len} is too short for data.retrieval_mix={mix}; "
+                                  f"expected at least {MIN_SEQ_LEN} tokens (a retrieval sequence holds needles, a "
+                                  f"question and an answer besides its text)")
     if data.source == "datasets":
         check_dataset_reachable(data)
     if data.source == "files":
@@ -461,7 +497,7 @@ def check_lengths(cfg, context: int | None) -> None:
     lengths = [("eval.seq_len", cfg.eval.seq_len)]
     if init_phases(cfg) or cfg.init.name == "full_plus":
         lengths.append(("calibration.seq_len", cfg.calibration.seq_len))
-    if cfg.retention.name in SCORED:
+    if cfg.retention.name in SCORED or cfg.retention.name == "recall":
         lengths.append(("retention.seq_len", cfg.retention.seq_len))
     lengths += [(f"{prefix}.seq_len", node.seq_len) for _, node, prefix in stages_of(cfg.stage)]
     if cfg.eval.ruler.name != "none":
@@ -523,6 +559,21 @@ def validate_loaded(ctx) -> None:
     check_teacher_shape(cfg, config.num_hidden_layers, getattr(config, "max_position_embeddings", None))
     check_split_tokens(ctx, cfg)
     check_ruler_room(ctx, cfg)
+    check_recall_room(ctx, cfg)
+
+
+def check_recall_room(ctx, cfg) -> None:
+    """The probe sequences of `retention=recall` can be cut from the calibration split (they are built now, as the
+    policy will build them: a few thousand tokens), so a short split or sequence fails before any work."""
+    ret = cfg.retention
+    if ret.name != "recall" or num_kept(ret.ratio, ctx.num_layers) == ctx.num_layers:
+        return
+    from tcal.retention.recall import probe_sequences
+
+    try:
+        probe_sequences(ret, ctx)
+    except ValueError as err:
+        raise ConfigError(f"retention.seq_len={ret.seq_len}: {err}") from None
 
 
 def check_ruler_room(ctx, cfg) -> None:

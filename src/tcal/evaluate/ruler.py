@@ -6,6 +6,7 @@ held-out lines that fills the prompt to about `length` tokens of the model's own
 
 from __future__ import annotations
 
+import math
 import random
 import string
 
@@ -13,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
+NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue")  # read one stated value back; the rest track
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 
 _ADJECTIVES = ("amber", "brisk", "calm", "dusky", "eager", "fallow", "gentle", "hollow", "idle", "jolly",
@@ -186,3 +188,32 @@ def _generate(model, tokenizer, example: dict, device, max_new_tokens: int | Non
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(**enc, max_new_tokens=budget, do_sample=False, pad_token_id=pad)
     return normalize_answer(tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+
+
+def standard_error(p: float, n: int) -> float:
+    """The binomial standard error sqrt(p (1 - p) / n) of an exact-match rate p over n examples."""
+    return math.sqrt(max(p * (1.0 - p), 0.0) / n) if n > 0 else math.nan
+
+
+def cell_summary(cells: list[tuple[float, int]]) -> dict | None:
+    """{"mean", "se", "n"} over cells (rate, examples) of the same weight each: the mean of the rates, its standard
+    error from the cells' binomial variances (independent examples), and the examples in all; None for no cell."""
+    cells = [(p, n) for p, n in cells if p is not None and not math.isnan(p) and n > 0]
+    if not cells:
+        return None
+    mean = sum(p for p, _ in cells) / len(cells)
+    se = math.sqrt(sum(p * (1.0 - p) / n for p, n in cells)) / len(cells)
+    return {"mean": mean, "se": se, "n": sum(n for _, n in cells)}
+
+
+def ruler_summary(scores: dict[str, dict[str, float]], n: int | dict) -> dict:
+    """{"needle", "other", "all"} -> `cell_summary` over the (length, task) cells of `scores`: the needle subtasks
+    (`NEEDLE_TASKS`), the others, and every cell. `n` is the examples per cell, or {length: {task: n}}."""
+    def examples(length, task):
+        return int(n[length][task]) if isinstance(n, dict) else int(n)
+
+    cells = [(task, score, examples(length, task)) for length, by_task in scores.items()
+             for task, score in by_task.items()]
+    return {"needle": cell_summary([(p, k) for t, p, k in cells if t in NEEDLE_TASKS]),
+            "other": cell_summary([(p, k) for t, p, k in cells if t not in NEEDLE_TASKS]),
+            "all": cell_summary([(p, k) for _, p, k in cells])}

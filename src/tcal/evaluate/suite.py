@@ -116,9 +116,10 @@ def harness(ctx, student) -> dict | None:
 
 
 def ruler(ctx, student) -> dict | None:
-    """{"teacher": {length: {task: score}}, "student": {...}} or None when `eval.ruler.name` is none. Every rank
-    calls this: each generates its share of the examples (`score_ruler` with the run's ranks)."""
-    from tcal.evaluate.ruler import score_ruler
+    """{"teacher": {length: {task: score}}, "student": {...}, "n": {length: {task: examples}}, "summary": {role:
+    {"needle" | "other" | "all": {mean, se, n}}}} or None when `eval.ruler.name` is none (`ruler_summary`). Every
+    rank calls this: each generates its share of the examples (`score_ruler` with the run's ranks)."""
+    from tcal.evaluate.ruler import ruler_summary, score_ruler
 
     cfg = ctx.settings.eval.ruler
     if cfg.name == "none":
@@ -131,8 +132,10 @@ def ruler(ctx, student) -> dict | None:
                                int(cfg.seed), desc=f"RULER {role}" if ctx.ranks.is_main else None, ranks=ctx.ranks)
 
     settings = {**plain(cfg), "docs": _docs_digest(ctx.splits.evaluation), **precision_key(ctx)}
-    return {"teacher": cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher, "teacher"), collective=True),
-            "student": run(student, "student")}
+    teacher = cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher, "teacher"), collective=True)
+    scores = {"teacher": teacher, "student": run(student, "student")}
+    n = {str(length): {task: int(cfg.n) for task in cfg.tasks} for length in cfg.lengths}
+    return {**scores, "n": n, "summary": {role: ruler_summary(scores[role], n) for role in scores}}
 
 
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

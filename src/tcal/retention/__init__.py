@@ -17,6 +17,7 @@ POLICIES = Registry("retention policy", __name__)
 class Selection:
     keep_layers: list[int]
     scores: dict[int, float] = field(default_factory=dict)
+    details: dict = field(default_factory=dict)  # what a policy measured besides the scores (results.json)
 
 
 def num_kept(ratio: float, num_layers: int) -> int:

@@ -30,9 +30,9 @@ from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 log = logging.getLogger(__name__)
 
 # Retention fields that select among scores instead of producing them.
-NOT_SCORING = ("ratio", "cache", "keep")
-# Data fields that only concern the evaluation split.
-EVALUATION_ONLY = ("evaluation_docs", "eval_files")
+NOT_SCORING = ("ratio", "cache", "keep", "scored", "fill")
+# Data fields that only concern the evaluation split, or only the training batches.
+EVALUATION_ONLY = ("evaluation_docs", "eval_files", "retrieval_mix")
 
 
 def scoring_windows(cfg, ctx) -> torch.Tensor:

@@ -8,11 +8,18 @@ Batches are a pure function of (seed, global step, rank): step s on rank r reads
 `(s * world + r) * batch_size ...` of a seeded sequence of shuffled epochs over the windows, and the sampler
 starts at the trainer's global step whenever it is iterated. A resumed run therefore continues with exactly
 the batches an uninterrupted run would have seen, with no sampler state to save.
+
+The retrieval mix (`data.retrieval_mix` = f > 0, default 0: off) replaces the samples of global index g with
+floor((g + 1) f) > floor(g f), exactly a fraction f of every run of samples (one in four of each batch of 4 at
+f = 0.25), by synthetic retrieval sequences of the same length (`tcal.needles`: key-value statements in text of
+the training split, then one asked back), sequence g drawn from the seed and g alone. They are ordinary samples to
+the stages: trained on and counted in `tokens_seen` like any window.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tcal.config import derived_seed
 from tcal.data import Document, token_stream
 from tcal.errors import ConfigError
+from tcal.needles import RetrievalSequences, key_words
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,26 @@ class EpochWindows(Dataset):
         return self.windows[self.order(epoch)[position]]
 
 
+def is_retrieval(index: int, fraction: float) -> bool:
+    """Whether global sample `index` is a retrieval sequence under mix `fraction` (see module doc)."""
+    return fraction > 0 and int((index + 1) * fraction) > int(index * fraction)
+
+
+class MixedWindows(Dataset):
+    """`EpochWindows` with a fraction of its samples replaced by retrieval sequences over the same split."""
+
+    def __init__(self, windows: EpochWindows, sequences: RetrievalSequences, fraction: float, seed: int):
+        self.windows, self.sequences, self.fraction, self.seed = windows, sequences, float(fraction), int(seed)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if is_retrieval(int(index), self.fraction):
+            return self.sequences.make(random.Random(f"retrieval_mix:{self.seed}:{int(index)}")).ids
+        return self.windows[index]
+
+
 class StepSampler(Sampler):
     """Indices of this rank's samples for global steps `start_step()` .. total_steps - 1 (see module doc)."""
 
@@ -78,10 +106,16 @@ class PackedTextDataModule(L.LightningDataModule):
     """Packed training windows of the training split for one stage; batches are [batch_size, seq_len] token ids."""
 
     def __init__(self, train_docs: list[Document], tokenizer, seq_len: int, batch_size: int, total_steps: int,
-                 seed: int, cache_dir: Path | None = None):
+                 seed: int, cache_dir: Path | None = None, retrieval_mix: float = 0.0):
         super().__init__()
         self.seq_len, self.batch_size, self.total_steps, self.seed = int(seq_len), int(batch_size), int(total_steps), seed
-        self.windows = pack(token_stream(train_docs, tokenizer, cache_dir), self.seq_len)
+        stream = token_stream(train_docs, tokenizer, cache_dir)
+        self.windows = pack(stream, self.seq_len)
+        self.retrieval_mix = float(retrieval_mix)
+        self.sequences = None
+        if self.retrieval_mix > 0:
+            self.sequences = RetrievalSequences(stream, key_words("\n".join(d.text for d in train_docs)), tokenizer,
+                                                self.seq_len)
         self.eval_loaders: Callable[[], list[DataLoader]] = lambda: []  # the eval sets, set by the stage runner
 
     def val_dataloader(self) -> list[DataLoader]:
@@ -94,5 +128,11 @@ class PackedTextDataModule(L.LightningDataModule):
         else:
             sampler = StepSampler(self.batch_size, self.total_steps, trainer.global_rank, trainer.world_size,
                                   lambda: trainer.global_step)
-        return DataLoader(EpochWindows(self.windows, self.seed), batch_size=self.batch_size, sampler=sampler,
-                          num_workers=0)
+        return DataLoader(self.dataset(), batch_size=self.batch_size, sampler=sampler, num_workers=0)
+
+    def dataset(self) -> Dataset:
+        """Sample g of the stage's endless sequence (the sampler picks which g a step reads)."""
+        windows = EpochWindows(self.windows, self.seed)
+        if self.sequences is None:
+            return windows
+        return MixedWindows(windows, self.sequences, self.retrieval_mix, self.seed)

@@ -65,7 +65,8 @@ def plan_stages(ctx) -> list[StagePlan]:
         tokens_per_step = node.batch_size * node.seq_len * world
         total_steps = node.max_tokens // tokens_per_step
         data = PackedTextDataModule(ctx.splits.train, ctx.tokenizer, node.seq_len, node.batch_size, total_steps,
-                                    int(settings.seed), ctx.cache_dir if node.cache_tokens else None)
+                                    int(settings.seed), ctx.cache_dir if node.cache_tokens else None,
+                                    float(settings.data.retrieval_mix))
         plans.append(StagePlan(kind, node, prefix, data, total_steps,
                                max(round(node.eval_every_tokens / tokens_per_step), 1), tokens_per_step))
     return plans
@@ -73,13 +74,15 @@ def plan_stages(ctx) -> list[StagePlan]:
 
 def stage1_key(ctx, student, plan: StagePlan) -> str:
     """Everything a finished Stage 1 depends on: teacher, keep list, the GDN layers' starting weights, the stage
-    settings, its training windows, the seed, the number of ranks and, when it is not 32-true (whose entries keep
-    their keys), the precision. The strategy is not in it: FSDP gives DDP's Stage 1 (tests/test_fsdp.py)."""
+    settings, its training windows, the retrieval mix (when on), the seed, the number of ranks and, when it is not
+    32-true (whose entries keep their keys), the precision. The strategy is not in it: FSDP gives DDP's Stage 1
+    (tests/test_fsdp.py)."""
     gdn_start = gdn_state(student).values()  # hashed tensor by tensor (fingerprint.digest streams tensors)
     precision = str(ctx.settings.trainer.precision)
+    mix = [("retrieval_mix", plan.data.retrieval_mix)] if plan.data.retrieval_mix > 0 else []
     return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, stage1_settings(plan.cfg),
                   plan.data.windows, int(ctx.settings.seed), world_size(ctx.settings.trainer),
-                  *([precision] if precision != "32-true" else []))
+                  *([precision] if precision != "32-true" else []), *mix)
 
 
 def stage1_settings(cfg) -> dict:
