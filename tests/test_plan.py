@@ -256,6 +256,7 @@ def test_saved_tensors_count_what_the_graph_still_holds_once_and_skip_parameters
     (["stage=distill", "stage.batch_size=0"], "stage.batch_size=0; expected a positive integer"),
     (["trainer=nonesuch"], "trainer='nonesuch': no such option in config group 'trainer'"),
     (["stage.nonexistent=1"], "stage.nonexistent=1: no such setting"),
+    (["trainer.strategy=deepspeed_stage_3"], "trainer.strategy='deepspeed_stage_3': DeepSpeed is not supported"),
     (["teacher=qwen3_8b", "teacher.architecture.model_type=gpt2"],
      "teacher.architecture.model_type='gpt2'; expected one of llama, qwen2, qwen3"),
 ])

@@ -8,13 +8,12 @@ a local folder's; no weights, no data, no GPU), then the student with the retent
 For calibration, Stage 1 (align) and Stage 2 (distill) the plan adds up, per device (GB = 2^30 bytes):
 
 - weights, gradients and optimizer (`Strategy.state_bytes`): under `*-true` everything in the compute dtype (AdamW's
-  two moments too); under `*-mixed` with DeepSpeed the module in the compute dtype and 12 bytes of float32 master
-  weight and moments per trainable parameter; under `*-mixed` otherwise (one device, DDP, FSDP) the student is
-  float32 (`pipeline` casts it): 4-byte weights and gradients, 8 bytes of moments per trainable parameter;
-- autocast copies: under `*-mixed` without DeepSpeed, the compute-dtype copy of each trainable Linear weight that
-  autograd keeps for backward (Lightning's autocast caches none), by checkpointing setting (`autocast_copies`);
+  two moments too); under `*-mixed` the student is float32 (`pipeline` casts it): 4-byte weights and gradients,
+  8 bytes of moments per trainable parameter;
+- autocast copies: under `*-mixed`, the compute-dtype copy of each trainable Linear weight that autograd keeps for
+  backward (Lightning's autocast caches none), by checkpointing setting (`autocast_copies`);
 - teacher: frozen, in `teacher.dtype` (Stage 2: `stage.teacher_dtype` when set), whole on every device;
-- buffers: DDP's bucket copy of the gradients; DeepSpeed's reduce and all-gather buckets (Lightning's defaults);
+- buffers: DDP's bucket copy of the gradients;
 - gathered units: under FSDP2 (`trainer.strategy=fsdp`: each decoder layer and GDN mixer a unit), the root's
   parameters and two layer units with their unsharded gradients (`fsdp_gathered`);
 - activations: what autograd keeps for backward at the configured per-rank batch (`stage.batch_size` x
@@ -24,9 +23,8 @@ For calibration, Stage 1 (align) and Stage 2 (distill) the plan adds up, per dev
   compute dtype there, while the residual stream, the norms and the GDN's recurrence are float32);
 - kl: the fused KL of Stage 2 (`training/kd.py`) at its peak.
 
-Strategies (`trainer.strategy`, per stage `trainer.stage_strategy`): `ddp` and single-device runs replicate
-everything; `deepspeed_stage_1` shards the optimizer states over the ranks, `deepspeed_stage_2` also the gradients,
-`deepspeed_stage_3` also the weights; `fsdp` shards all three. The peak is the sum of all of them, at the start of a
+Strategies (`trainer.strategy`, the same for both stages): one device and `ddp` replicate everything; `fsdp` shards
+the weights, gradients and optimizer states over the ranks. The peak is the sum of all of them, at the start of a
 backward (the previous step's gradients counted too: Lightning zeroes them between the forward and the backward). A
 stage fits when its peak plus `--headroom-gb` is at most `--device-gb`. It counts allocated tensors: not CUDA's
 context, nor free memory an allocator keeps (glibc's heap on the CPU, PyTorch's cache on CUDA); the headroom is for
@@ -55,7 +53,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from tcal.errors import ConfigError
 
 GB = 2**30
-DEEPSPEED_BUCKET_ELEMENTS = 200_000_000  # Lightning's DeepSpeedStrategy reduce_bucket_size and allgather_bucket_size
 # [chunk, vocab] float32 tensors alive at once in one chunk of the fused KL (kd.py; `make bench ARGS=kl_memory`)
 KL_CHUNK_TENSORS = 3
 FLA_CHUNK = 64  # fla's chunk size: its WY matrix A is [B, T, H, 64]
@@ -117,15 +114,11 @@ class Strategy:
     shards_gradients: bool = False
     shards_weights: bool = False
     per_layer_units: bool = False  # FSDP2: each decoder layer and GDN mixer a unit, gathered one at a time
-    casts_module: bool = False  # DeepSpeed: the module itself in the compute dtype, float32 masters in the optimizer
     note: str = ""
 
     @classmethod
     def parse(cls, name) -> "Strategy":
         name = str(name)
-        if name.startswith("deepspeed"):
-            stage = int(name[-1]) if name[-1].isdigit() else 2
-            return cls(name, True, stage >= 2, stage >= 3, casts_module=True)
         if name.startswith("fsdp") or name == "model_parallel":
             return cls(name, True, True, True, per_layer_units=True,
                        note="FSDP2: float32 weights, gradients and AdamW states sharded over the ranks; the root "
@@ -134,26 +127,20 @@ class Strategy:
         return cls(name)
 
     def state_bytes(self, precision: Precision) -> StateBytes:
-        """`*-true`: everything in the compute dtype (AdamW's moments too). `*-mixed` under DeepSpeed: the module in
-        the compute dtype and, per trainable parameter, a float32 master and two float32 moments (12 bytes).
-        `*-mixed` otherwise (one device, DDP, FSDP): the student is float32 (`pipeline` casts it) and autocast
-        computes in the reduced dtype: float32 gradients and moments, and a compute-dtype copy of each trainable
-        Linear weight that autocast caches for the forward and autograd keeps for the backward."""
+        """`*-true`: everything in the compute dtype (AdamW's moments too). `*-mixed` (one device, DDP and FSDP
+        alike): the student is float32 (`pipeline` casts it) and autocast computes in the reduced dtype: float32
+        gradients and moments, and a compute-dtype copy of each trainable Linear weight that autocast makes for the
+        forward and autograd keeps for the backward."""
         c = precision.compute_bytes
         if not precision.mixed:
             return StateBytes(c, c, 2 * c, 0, f"{precision.name}: weights, gradients and AdamW moments in {c} bytes")
-        if self.casts_module:
-            return StateBytes(c, c, 12, 0, f"{precision.name} (DeepSpeed): module in the compute dtype, float32 "
-                                           f"master weights and moments in the optimizer")
         return StateBytes(4, 4, 8, c, f"{precision.name} (autocast): float32 weights, gradients and moments, and a "
                                       f"compute-dtype copy of every trainable Linear weight during the forward")
 
     def buffers(self, trainable: int, state: StateBytes, world: int) -> int:
-        """Communication buffers: DDP's bucket copy of the gradients, DeepSpeed's reduce and all-gather buckets."""
+        """Communication buffers: DDP's bucket copy of the gradients (none counted on one device or under FSDP)."""
         if self.name.startswith("ddp") or (self.name == "auto" and world > 1):
             return trainable * state.gradient
-        if self.name.startswith("deepspeed"):
-            return 2 * min(DEEPSPEED_BUCKET_ELEMENTS, trainable) * state.gradient
         return 0
 
 
@@ -476,7 +463,7 @@ def stage_memory(kind: str, node, cfg, model: Model, world: int, device_type: st
     """Per-device memory of Stage 1 (`align`) or Stage 2 (`distill`) under the run's trainer."""
     trainer = cfg.trainer
     precision = Precision.parse(trainer.precision)
-    strategy = Strategy.parse((trainer.get("stage_strategy") or {}).get(kind, trainer.strategy))
+    strategy = Strategy.parse(trainer.strategy)
     state = strategy.state_bytes(precision)
     teacher_dtype_name = (node.get("teacher_dtype") if kind == "distill" else None) or cfg.teacher.dtype
     teacher_dtype = getattr(torch, str(teacher_dtype_name))

@@ -343,15 +343,21 @@ def check_stages(cfg) -> None:
             one_of(f"{prefix}.teacher_dtype", node.teacher_dtype, sorted(DTYPES))
 
 
+def check_strategy(strategy: str) -> None:
+    """A strategy this project does not run is refused by `tcal` and `tcal-plan` alike (the plan models only one
+    device, DDP and FSDP)."""
+    if strategy.startswith("deepspeed"):
+        raise ConfigError(f"trainer.strategy={strategy!r}: DeepSpeed is not supported (its resume and export were "
+                          f"never tested; docs/scale.md); expected trainer=fsdp for sharded training")
+
+
 def check_trainer(cfg) -> None:
     trainer = cfg.trainer
     accelerator, strategy = str(trainer.accelerator), str(trainer.get("strategy", "auto"))
     one_of("trainer.accelerator", accelerator, ACCELERATORS)
     precision = str(trainer.precision)
     one_of("trainer.precision", precision, PRECISIONS)
-    if strategy.startswith("deepspeed"):
-        raise ConfigError(f"trainer.strategy={strategy!r}: DeepSpeed is not supported (its resume and export were "
-                          f"never tested; docs/scale.md); expected trainer=fsdp for sharded training")
+    check_strategy(strategy)
     gpus = torch.cuda.device_count()
     wants_gpu = accelerator in ("gpu", "cuda")
     if wants_gpu and gpus == 0:
@@ -547,6 +553,7 @@ def validate_plan(cfg) -> None:
     check_architecture(cfg.teacher)
     one_of("trainer.accelerator", str(cfg.trainer.accelerator), ACCELERATORS)
     one_of("trainer.precision", str(cfg.trainer.precision), PRECISIONS)
+    check_strategy(str(cfg.trainer.get("strategy", "auto")))
     for check in (check_seed, check_init, check_calibration, check_stages):
         check(cfg)
     check_retention(cfg, None)
