@@ -130,7 +130,8 @@ def test_stage1_cache_key_tells_precisions_apart():
     """A bf16-mixed Stage 1 is not a float32 one: the cache must not hand one to the other."""
     teacher = make_teacher("llama", seed=3)
     student = build_student(teacher, [0, 2], seed=0)
-    plan = SimpleNamespace(cfg=compose("stage=align").stage, data=SimpleNamespace(windows=torch.zeros(2, 8).long()))
+    plan = SimpleNamespace(cfg=compose("stage=align").stage, data=SimpleNamespace(windows=torch.zeros(2, 8).long(),
+                                                                                retrieval_mix=0.0))
 
     def key(precision):
         trainer = SimpleNamespace(precision=precision, devices=1, num_nodes=1, accelerator="cpu")
