@@ -13,6 +13,7 @@ import math
 import random
 from pathlib import Path
 
+from tcal.distributed import Ranks
 from tcal.hub import hub_reachable, offline_mode
 from tcal.results import write_text_atomic
 
@@ -139,19 +140,24 @@ def _task_yaml(task: str, data: Path) -> str:
 
 def run_harness(model, tokenizer, task_names, include_path=None, batch_size: int = 8,
                 max_length: int = 512, limit=None, num_fewshot: int | None = None,
-                offline: bool = True) -> dict[str, dict[str, float]]:
-    """Evaluate an in-memory model with lm-eval; returns {task: {metric: value}} without stderrs."""
+                offline: bool = True, ranks: Ranks | None = None) -> dict[str, dict[str, float]] | None:
+    """Evaluate an in-memory model with lm-eval; returns {task: {metric: value}} without stderrs. With several
+    `ranks`, every rank calls this and scores its share of each task's documents (`tcal.evaluate.ranked_lm`);
+    the figures come back on rank 0, None on the others."""
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
+
+    from tcal.evaluate.ranked_lm import RankedHFLM
 
     mode = offline_mode() if offline else contextlib.nullcontext()
     with mode:
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
-                  max_length=max_length, device=str(model.device))
+        lm = RankedHFLM(ranks or Ranks(), pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+                        max_length=max_length, device=str(model.device))
         manager = TaskManager(include_path=str(include_path) if include_path else None)
         out = simple_evaluate(model=lm, tasks=list(task_names), task_manager=manager, limit=limit,
                               num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    if out is None:
+        return None
     return {task: _plain_metrics(values) for task, values in out["results"].items()}
 
 

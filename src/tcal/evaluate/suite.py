@@ -1,7 +1,8 @@
 """Zero-shot evaluation of teacher and student: perplexity per eval set, the lm-eval harness, RULER.
 
 Perplexity is Lightning validation over all of the run's ranks (`tcal.evaluate.validation`); RULER splits its
-examples over the ranks and sums their hits; the harness generates on rank 0's device. RULER and the harness run
+examples over the ranks and sums their hits; the harness scores each rank's share of every task's documents and
+rank 0 aggregates them. RULER and the harness run
 under autocast per `trainer.precision`, as validation does. The teacher's figures depend only on the teacher, the eval data and the
 settings, so they are cached on disk (`paths.cache_dir/teacher_eval`): a sweep computes them once.
 """
@@ -84,7 +85,9 @@ def perplexities(ctx, student) -> dict:
 
 
 def harness(ctx, student) -> dict | None:
-    """{"teacher": {task: {metric: value}}, "student": {...}} or None when `eval.harness.name` is none."""
+    """{"teacher": {task: {metric: value}}, "student": {...}} on rank 0, None on the other ranks and when
+    `eval.harness.name` is none. Every rank calls this: each scores its share of every task's documents
+    (`tcal.evaluate.ranked_lm`), and rank 0 aggregates."""
     from tcal.evaluate import local_tasks
 
     cfg = ctx.settings.eval.harness
@@ -93,11 +96,12 @@ def harness(ctx, student) -> dict | None:
     docs = ctx.splits.evaluation
     if cfg.name == "local":
         folder = ctx.cache_dir / "local_tasks" / digest(_docs_digest(docs), int(cfg.seed), int(cfg.n_examples))
-        tasks = local_tasks.build_local_tasks([d.text for d in docs], folder, int(cfg.seed), int(cfg.n_examples))
+        tasks = ctx.ranks.decide(lambda: local_tasks.build_local_tasks([d.text for d in docs], folder,
+                                                                       int(cfg.seed), int(cfg.n_examples)))
         runs = [(tasks, None)]
         include, offline = folder, True
     elif cfg.name == "paper":
-        local_tasks.check_paper_tasks_available()
+        ctx.ranks.decide(local_tasks.check_paper_tasks_available)
         runs = [(list(local_tasks.PAPER_TASKS), None), *[([t], shots) for t, shots in local_tasks.PAPER_FEWSHOT_TASKS]]
         include, offline = None, False
     else:
@@ -107,12 +111,15 @@ def harness(ctx, student) -> dict | None:
         out = {}
         with in_run_precision(ctx):
             for tasks, shots in runs:
-                out.update(local_tasks.run_harness(model, ctx.tokenizer, tasks, include, int(cfg.batch_size),
-                                                   int(cfg.max_length), cfg.limit, shots, offline))
-        return out
+                figures = local_tasks.run_harness(model, ctx.tokenizer, tasks, include, int(cfg.batch_size),
+                                                  int(cfg.max_length), cfg.limit, shots, offline, ranks=ctx.ranks)
+                out.update(figures or {})
+        return out if ctx.ranks.is_main else None
 
     settings = {**plain(cfg), "docs": _docs_digest(docs), **precision_key(ctx)}
-    return {"teacher": cached_teacher(ctx, "harness", settings, lambda: run(ctx.teacher)), "student": run(student)}
+    teacher = cached_teacher(ctx, "harness", settings, lambda: run(ctx.teacher), collective=True)
+    student_figures = run(student)
+    return {"teacher": teacher, "student": student_figures} if ctx.ranks.is_main else None
 
 
 def ruler(ctx, student) -> dict | None:
@@ -157,13 +164,13 @@ def precision_key(ctx) -> dict:
 
 def evaluate(ctx, student) -> dict:
     """The results.json entries of the zero-shot evaluation, `metrics`, `harness` and `ruler` (their fields:
-    `tcal.record`). Perplexity and RULER run on every rank, each its share; the harness on rank 0, whose result
-    the other ranks do not keep."""
+    `tcal.record`). Every rank computes its share of each; the harness's figures are kept on rank 0 only."""
     out = {"metrics": perplexities(ctx, student)}
     ruler_scores = ruler(ctx, student)
+    harness_scores = harness(ctx, student)
     if not ctx.ranks.is_main:
         return out
-    for name, value in (("harness", harness(ctx, student)), ("ruler", ruler_scores)):
+    for name, value in (("harness", harness_scores), ("ruler", ruler_scores)):
         if value is not None:
             out[name] = value
     return out
