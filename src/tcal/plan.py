@@ -755,8 +755,51 @@ def compose_config(overrides: list[str]):
 
 
 def expand_sweeps(overrides: list[str]) -> list[list[str]]:
-    """Sweeps of config groups (`group=a,b`, `group=choice(a,b)`) expand into one override list per combination (as
-    `tcal -m`); every other argument, one Hydra's grammar cannot read included, is kept as it is."""
+    """One override list per job, as `tcal -m` runs them: the command line's sweeps (`group=a,b`, `key=1,2`,
+    `choice(...)`) and those of a sweep file it names (`+sweep=zero_shot`: its `hydra.sweeper.params`, where the
+    command line does not set the key), expanded by Hydra's basic sweeper. A command line Hydra cannot read or
+    expand here (a glob) keeps its arguments, only its group sweeps expanded, so that composing it names the fault."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    try:
+        parsed = parser.parse_overrides(overrides)
+        fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+        given = {o.get_key_element() for o in parsed}
+        params = [f"{key}={value}" for key, value in sweep_file_params(fixed).items()
+                  if key not in given and f"+{key}" not in given]
+        return [list(job) for job in BasicSweeper.split_arguments([*parser.parse_overrides(params), *parsed],
+                                                                  None)[0]]
+    except (HydraException, ConfigError):
+        return group_sweeps_expanded(overrides)
+
+
+def sweep_file_params(overrides: list[str]) -> dict:
+    """`hydra.sweeper.params` of the config `overrides` compose (empty when they name no sweep file)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from tcal.app import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        params = cfg.hydra.sweeper.get("params")
+        return dict(OmegaConf.to_container(params)) if params else {}
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(" ".join(str(err).split())) from err
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def group_sweeps_expanded(overrides: list[str]) -> list[list[str]]:
+    """Sweeps of config groups (`group=a,b`, `group=choice(a,b)`) expanded into one override list per combination;
+    every other argument, one Hydra's grammar cannot read included, kept as it is."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
