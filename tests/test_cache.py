@@ -137,6 +137,33 @@ def test_an_entry_being_built_by_another_process_is_waited_for_and_reused(tmp_pa
         assert held and not other
 
 
+def test_an_entry_of_a_batched_build_is_read_by_another_builder_as_soon_as_it_is_written(tmp_path):
+    """One builder takes layers 1 and 2 and is still on layer 2; a second that needs layer 1 only reads it at once
+    (it does not wait for the whole build)."""
+    keys = {1: "layer1", 2: "layer2"}
+    one_written, may_finish, results = threading.Event(), threading.Event(), {}
+
+    def layer_by_layer(items):
+        for item in items:
+            if item == 2:
+                one_written.set()
+                assert may_finish.wait(timeout=60)
+            yield item, item * 10
+
+    first = threading.Thread(target=lambda: results.update(
+        get_or_build_each("calibration", keys, layer_by_layer, folder=tmp_path)))
+    first.start()
+    assert one_written.wait(timeout=60)
+    try:
+        with key_lock(tmp_path / "layer1.json", wait=False) as free, key_lock(tmp_path / "layer2.json", wait=False) as busy:
+            assert free and not busy
+        assert get_or_build("calibration", "layer1", lambda: pytest.fail("built twice"), folder=tmp_path) == 10
+    finally:
+        may_finish.set()
+        first.join()
+    assert results == {1: 10, 2: 20}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Two processes, one cold cache
 

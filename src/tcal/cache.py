@@ -208,8 +208,14 @@ def get_or_build_each(kind: str, keys: dict[K, str],
             values[item] = value
     missing = [item for item in keys if item not in values]
     with contextlib.ExitStack() as held:
-        mine = [item for item in missing if held.enter_context(key_lock(store.path(keys[item]), wait=False))]
-        values.update(_read_or_build(store, keys, mine, build_some))
+        locks: dict[K, contextlib.ExitStack] = {}
+        for item in missing:
+            lock = held.enter_context(contextlib.ExitStack())
+            if lock.enter_context(key_lock(store.path(keys[item]), wait=False)):
+                locks[item] = lock
+            else:
+                lock.close()
+        values.update(_read_or_build(store, keys, list(locks), build_some, done=lambda item: locks[item].close()))
     for item in missing:  # another process was building these: wait for it, then read (or build after a crash)
         if item not in values:
             with key_lock(store.path(keys[item])):
@@ -217,14 +223,18 @@ def get_or_build_each(kind: str, keys: dict[K, str],
     return {item: values[item] for item in keys}
 
 
-def _read_or_build(store: Store[T], keys: dict[K, str], items: list[K], build_some) -> dict[K, T]:
-    """Under the items' locks: those now in the cache read, the others built and written."""
+def _read_or_build(store: Store[T], keys: dict[K, str], items: list[K], build_some,
+                   done: Callable[[K], None] = lambda item: None) -> dict[K, T]:
+    """Under the items' locks: those now in the cache read, the others built and written; `done(item)` once an
+    item's entry is read or written, so that its lock can be released before the others are built (a job waiting
+    for one entry of a long batched build reads it as soon as it is written)."""
     values, todo = {}, []
     for item in items:
         value, why = store.read(keys[item])
         if value is not None:
             store.reused(keys[item])
             values[item] = value
+            done(item)
         else:
             if why is not None:
                 store.damaged(keys[item], why)
@@ -232,6 +242,7 @@ def _read_or_build(store: Store[T], keys: dict[K, str], items: list[K], build_so
     for item, value in built_pairs(build_some(todo) if todo else {}):
         store.write(keys[item], value)
         values[item] = value
+        done(item)
     return values
 
 
