@@ -67,21 +67,6 @@ def test_two_ranks_calibrate_and_score_like_one_process_each_layer_once(tmp_path
                 assert other[role] == pytest.approx(bucket[role], rel=1e-6)
 
 
-def test_two_ranks_split_the_harness_documents_and_give_one_process_figures(tmp_path):
-    harness = ("init=zero_gate", "eval/harness=local", "eval.harness.limit=9", "eval.harness.batch_size=1")
-    one, _ = tcal(tmp_path, "one", *harness, "trainer=cpu")
-    two, log = tcal(tmp_path, "two", *harness, "trainer=ddp")
-    assert set(one["harness"]["student"]) == {"tcal_cloze", "tcal_nextline"}
-    for role in ("teacher", "student"):
-        for task, metrics in one["harness"][role].items():
-            assert two["harness"][role][task] == pytest.approx(metrics, rel=1e-9), (role, task)
-    shares = {int(rank): int(count) for rank, count in
-              re.findall(r"harness: rank (\d) of 2 scores (\d+) loglikelihood requests", log)}
-    # 9 documents a task, 5 on rank 0 and 4 on rank 1, which pads to rank 0's count; a cloze document is 1 request,
-    # a next-line document 4 (its choices): 5 x (1 + 4) requests a rank, against 9 x 5 on one process
-    assert sorted(shares) == [0, 1] and shares[0] == shares[1] == 25, shares
-
-
 @pytest.mark.parametrize("num_windows,world", [(5, 2), (4, 2), (3, 4), (1, 3)])
 def test_rank_windows_cover_every_window_once_with_equal_lengths(num_windows, world):
     windows = torch.arange(num_windows)[:, None].repeat(1, 3)

@@ -1,8 +1,12 @@
-"""Local lm-eval tasks: deterministic build, answers consistent with the source text, a tiny model scores them."""
+"""Local lm-eval tasks: deterministic build, answers consistent with the source text, a tiny model scores them, and
+2 gloo ranks that split the documents give one process's figures."""
 
 import importlib.util
 import json
+import logging
 import math
+import os
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -67,15 +71,19 @@ def _tiny_tokenizer(documents):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special, bos_token=special, pad_token=special)
 
 
-def test_tiny_model_scores_local_tasks(documents, tmp_path):
+def _tiny_model(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = _tiny_tokenizer(documents)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+
+
+def test_tiny_model_scores_local_tasks(documents, tmp_path):
+    tokenizer = _tiny_tokenizer(documents)
+    model = _tiny_model(tokenizer)
     names = build_local_tasks(documents, tmp_path, seed=0, n_examples=20)
     results = run_harness(model, tokenizer, names, tmp_path, batch_size=4, max_length=512, limit=6)
     assert set(results) == set(names)
@@ -101,3 +109,46 @@ def test_paper_tasks_offline_names_missing_datasets(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(RuntimeError, match=r"unreachable.*piqa \(baber/piqa\)"):
         check_paper_tasks_available(["piqa", "arc_easy"])
+
+
+HARNESS_LIMIT = 9
+
+
+def _harness_rank(rank: int, world: int, port: int, documents: list[str], folder: str) -> None:
+    """One rank of the split harness: its figures (None off rank 0) and its log lines in `folder`/rank_<rank>.*."""
+    import torch.distributed as dist
+
+    from tcal.distributed import Ranks
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    handler = logging.FileHandler(Path(folder, f"rank_{rank}.log"))
+    logging.getLogger("tcal.evaluate.ranked_lm").addHandler(handler)
+    logging.getLogger("tcal.evaluate.ranked_lm").setLevel(logging.INFO)
+    tokenizer = _tiny_tokenizer(documents)
+    results = run_harness(_tiny_model(tokenizer), tokenizer, [CLOZE_TASK, NEXTLINE_TASK], Path(folder, "tasks"),
+                          batch_size=1, max_length=512, limit=HARNESS_LIMIT, ranks=Ranks(rank, world))
+    Path(folder, f"rank_{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_split_the_documents_and_give_one_process_figures(documents, tmp_path):
+    from tcal.rank import free_port
+
+    names = build_local_tasks(documents, tmp_path / "tasks", seed=0, n_examples=20)
+    tokenizer = _tiny_tokenizer(documents)
+    one = run_harness(_tiny_model(tokenizer), tokenizer, names, tmp_path / "tasks", batch_size=1, max_length=512,
+                      limit=HARNESS_LIMIT)
+    torch.multiprocessing.start_processes(_harness_rank, args=(2, free_port(), documents, str(tmp_path)), nprocs=2,
+                                          start_method="spawn")
+    two = json.loads((tmp_path / "rank_0.json").read_text())
+    assert json.loads((tmp_path / "rank_1.json").read_text()) is None
+    assert set(two) == set(one) == set(names)
+    for task, metrics in one.items():
+        assert two[task] == pytest.approx(metrics, rel=1e-9), task
+    # 9 documents a task, 5 on rank 0 and 4 on rank 1, which pads to rank 0's count; a cloze document is 1 request,
+    # a next-line document 4 (its choices): 5 x (1 + 4) requests a rank, against 9 x 5 on one process
+    for rank in (0, 1):
+        line = (tmp_path / f"rank_{rank}.log").read_text().strip()
+        assert line == f"harness: rank {rank} of 2 scores 25 loglikelihood requests", line
