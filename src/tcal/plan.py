@@ -730,28 +730,38 @@ def slurm_env(plans: list[dict]) -> str:
     return f"export TCAL_SLURM_MEM_GB={mem} TCAL_CPUS_PER_TASK={cpus} TCAL_GPUS_PER_NODE={gpus}"
 
 
-def compose_config(overrides: list[str]):
-    """The `tcal` config of `overrides`, composed by Hydra from the app's conf/; a bad override is a ConfigError."""
+@contextlib.contextmanager
+def composed(overrides: list[str], return_hydra_config: bool = False):
+    """The config of `overrides`, composed by Hydra from the app's conf/ (with the `hydra` node when asked); a Hydra
+    or OmegaConf error, in composing or in the block, is a ConfigError."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from tcal.app import CONF_DIR, check_group_overrides
-    from tcal.arguments import check_overridden_keys
+    from tcal.app import CONF_DIR
 
-    check_group_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose("config", overrides=overrides)
-        OmegaConf.resolve(cfg)
-        check_overridden_keys(cfg, overrides, overrides)
-        return cfg
+            cfg = compose("config", overrides=overrides, return_hydra_config=return_hydra_config)
+        yield cfg
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(" ".join(str(err).split())) from err
     finally:
         GlobalHydra.instance().clear()
+
+
+def compose_config(overrides: list[str]):
+    """The `tcal` config of `overrides`, resolved; a bad override is a ConfigError."""
+    from tcal.app import check_group_overrides
+    from tcal.arguments import check_overridden_keys
+
+    check_group_overrides(overrides)
+    with composed(overrides) as cfg:
+        OmegaConf.resolve(cfg)
+        check_overridden_keys(cfg, overrides, overrides)
+    return cfg
 
 
 def expand_sweeps(overrides: list[str]) -> list[list[str]]:
@@ -778,23 +788,9 @@ def expand_sweeps(overrides: list[str]) -> list[list[str]]:
 
 def sweep_file_params(overrides: list[str]) -> dict:
     """`hydra.sweeper.params` of the config `overrides` compose (empty when they name no sweep file)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from tcal.app import CONF_DIR
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    with composed(overrides, return_hydra_config=True) as cfg:
         params = cfg.hydra.sweeper.get("params")
         return dict(OmegaConf.to_container(params)) if params else {}
-    except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(" ".join(str(err).split())) from err
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def group_sweeps_expanded(overrides: list[str]) -> list[list[str]]:
