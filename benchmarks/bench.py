@@ -111,14 +111,14 @@ def main(argv=None) -> None:
     if "plan" in args.groups:
         bench_plan(args.override)
     if set(args.groups) - {"gdn", "kl_memory", "host_memory", "host_memory_replaced", "plan", "plan_activations"}:
-        from tcal.plan import compose_config
+        from tcal.settings.compose import settings_for
         from tcal.retention.uniform import uniform_layers
         from tcal.teachers.load import load_teacher
 
         run_overrides = [o for o in args.override if not o.startswith("stage.")]
 
         def compose_cfg(*extra):
-            return compose_config(["calibration.cache=false", *extra, *run_overrides])
+            return settings_for("calibration.cache=false", *extra, *run_overrides)
 
         cfg = compose_cfg()
         teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)

@@ -60,9 +60,9 @@ def cuda_seconds(fn, repeats: int = 3) -> float:
 
 
 def compose_cfg(*overrides: str):
-    from tcal.plan import compose_config
+    from tcal.settings.compose import settings_for
 
-    return compose_config(list(overrides))
+    return settings_for(*overrides)
 
 
 def check_kernels() -> None:

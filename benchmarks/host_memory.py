@@ -21,10 +21,10 @@ def _random_teacher(overrides: list[str]):
     teacher's are); the RoPE buffers are recomputed on the CPU as transformers builds them."""
     from transformers import AutoModelForCausalLM
 
-    from tcal.plan import compose_config
+    from tcal.settings.compose import settings_for
     from tcal.teachers.load import teacher_architecture
 
-    cfg = compose_config(["teacher=qwen2_5_1_5b", *overrides])
+    cfg = settings_for("teacher=qwen2_5_1_5b", *overrides)
     config = teacher_architecture(cfg.teacher, cfg.paths.cache_dir)
     config._attn_implementation = str(cfg.teacher.attn_implementation)
     with torch.device("meta"):

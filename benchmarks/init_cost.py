@@ -4,12 +4,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
 
 import torch
-from omegaconf import OmegaConf
 
 from measurement import best_time, emit, in_fresh_process, reset_peak_rss, rss_kib
 from tcal.fingerprint import weights_digest
@@ -87,7 +87,7 @@ def bench_phase2_step(teacher, cfg, layer: int = 1, steps: int = 20) -> dict:
         gdn.zero_grad(set_to_none=True)
 
     plain = best_time(fwd_bwd)
-    phase2 = OmegaConf.merge(cfg.phase2, {"steps": steps})
+    phase2 = dataclasses.replace(cfg.phase2, steps=steps)
     start = time.perf_counter()
     align_layer(naive_gdn(teacher, layer), stats.inputs, stats.attn_output, phase2)
     per_step = (time.perf_counter() - start) / steps
@@ -115,7 +115,7 @@ def measure_init(cfg) -> dict:
     wall = time.perf_counter() - start
     peak = rss_kib("VmHWM") * 1024
     return {"init": cfg.init.name, "init_weights_digest": weights_digest(student), "teacher": cfg.teacher.name,
-            "ratio": cfg.retention.get("ratio"), "seconds": wall,
+            "ratio": getattr(cfg.retention, "ratio", None), "seconds": wall,
             "peak_rss_bytes": peak, "peak_increase_bytes": peak - before, "threads": torch.get_num_threads()}
 
 

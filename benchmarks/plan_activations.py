@@ -25,10 +25,10 @@ SETTINGS = ("none", "checkpoint_mixers", "activation_checkpointing")
 
 
 def slice_config(overrides: list[str]):
-    from tcal.plan import compose_config
+    from tcal.settings.compose import settings_for
     from tcal.teachers.load import teacher_architecture
 
-    cfg = compose_config(["teacher=qwen2_5_1_5b", *overrides])
+    cfg = settings_for("teacher=qwen2_5_1_5b", *overrides)
     config = teacher_architecture(cfg.teacher, cfg.paths.cache_dir)
     config.num_hidden_layers, config.vocab_size = SLICE_LAYERS, SLICE_VOCAB
     config.bos_token_id = config.eos_token_id = config.pad_token_id = None  # ids of the full vocabulary

@@ -16,7 +16,7 @@ import itertools
 import json
 
 from tcal import api
-from tcal.config import RecallRetentionSettings
+from tcal.settings import RecallRetentionSettings
 
 WATCHED = (7, 18)  # the layers whose replacement removes SmolLM2's retrieval (docs/results.md, "Long context")
 

@@ -15,9 +15,9 @@ from tcal.training.stages import AlignStage, DistillStage
 
 def stage_config(kind: str, overrides=()):
     """conf/stage/<kind>.yaml with the `stage.*` entries of `overrides` applied."""
-    from tcal.plan import compose_config
+    from tcal.settings.compose import settings_for
 
-    return compose_config([f"stage={kind}", *(o for o in overrides if o.startswith("stage."))]).stage
+    return settings_for(f"stage={kind}", *(o for o in overrides if o.startswith("stage."))).stage
 
 
 def stage_setup(teacher, kind: str, keep_layers, batch: int, seq_len: int, steps: int, overrides=()):
@@ -95,9 +95,10 @@ def bench_plan(overrides=(), batch: int = PLAN_BATCH[0], seq_len: int = PLAN_BAT
     fresh process twice: with glibc releasing freed blocks at once (`EAGER_RELEASE`: the memory allocated, which is
     what the plan counts and what the target is about) and with glibc's defaults (what a CPU run shows; the
     difference is free memory glibc keeps). SmolLM2 by default: the real teacher, float32."""
-    from tcal.plan import GB, compose_config, make_plan
+    from tcal.plan import GB, make_plan
+    from tcal.settings.compose import settings_for
 
-    cfg = compose_config(plan_overrides(overrides, batch, seq_len, steps))
+    cfg = settings_for(*plan_overrides(overrides, batch, seq_len, steps))
     plan = make_plan(cfg)
     stage = plan["stages"]["distill"]
     keep = plan["retention"]["keep_layers"]

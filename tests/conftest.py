@@ -79,22 +79,19 @@ def tiny_teachers():
     return {name: make_teacher(name) for name in FAMILIES}
 
 
-def compose(*overrides: str, config_name: str = "config", return_hydra_config: bool = False):
-    """The app's config composed by Hydra with command-line style overrides (GlobalHydra cleared around it); with
-    `return_hydra_config`, its `hydra` node too (a sweep's `hydra.sweeper.params`). Every test composes here."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+def compose(*overrides: str) -> "RunSettings":
+    """The run settings of `tcal <overrides>` (composed by Hydra and converted, as the entry does): every test
+    composes here or with `compose_config`."""
+    from tcal.settings.compose import settings_for
 
-    from tcal.app import CONF_DIR
+    return settings_for(*overrides)
 
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return hydra_compose(config_name=config_name, overrides=list(overrides),
-                                 return_hydra_config=return_hydra_config)
-    finally:
-        GlobalHydra.instance().clear()
+
+def compose_config(*overrides: str, return_hydra_config: bool = False):
+    """The composed DictConfig itself (with its `hydra` node when asked: a sweep's `hydra.sweeper.params`)."""
+    from tcal.settings.compose import compose as compose_hydra
+
+    return compose_hydra(*overrides, return_hydra_config=return_hydra_config)
 
 
 def repo_cache_dir() -> str:
@@ -121,5 +118,5 @@ def isolated_cache_dir(folder: Path) -> str:
 
 @pytest.fixture
 def compose_cfg():
-    """`compose_cfg("experiment=smoke", "paths.cache_dir=...")` -> the app's composed DictConfig."""
+    """`compose_cfg("experiment=smoke", "paths.cache_dir=...")` -> the run's settings."""
     return compose

@@ -10,7 +10,7 @@ import pytest
 from conftest import repo_cache_dir
 
 from tcal import api
-from tcal.config import (
+from tcal.settings import (
     DataSettings,
     DistillSettings,
     EvalSettings,
@@ -71,11 +71,11 @@ def test_a_wrong_argument_type_names_the_step_and_the_argument(call, match, load
                                  eval=EvalSettings(seq_len=5000)),
      r"eval.seq_len=5000 is beyond the teacher's context"),
     (lambda t, s, m: api.initialize(m, t, s, init_settings("phase2"), dataclasses.replace(
-        __import__("tcal.config", fromlist=["CalibrationSettings"]).CalibrationSettings(), seq_len=6000)),
+        __import__("tcal.settings", fromlist=["CalibrationSettings"]).CalibrationSettings(), seq_len=6000)),
      r"calibration.seq_len=6000 is beyond the teacher's context"),
-    (lambda t, s, m: api.select_layers(t, s, RetentionSettings(ratio=1.5)), r"retention.ratio=1.5"),
+    (lambda t, s, m: api.select_layers(t, s, RetentionSettings(ratio=1.5)), r"RetentionSettings.ratio=1.5"),
     (lambda t, s, m: api.distill(m, t, s, DistillSettings(batch_size=2, seq_len=32), tokens=64,
-                                 trainer=TrainerSettings(devices=0)), r"trainer.devices=0"),
+                                 trainer=TrainerSettings(devices=0)), r"TrainerSettings.devices=0"),
     (lambda t, s, m: api.initialize(m, t, s, init_settings("naive"), seed=2 ** 64), r"seed=18446744073709551616"),
 ], ids=["eval_seq_len", "ruler_lengths", "stage_seq_len", "distill_eval_seq_len", "calibration_seq_len",
         "retention_ratio", "devices_0", "seed_beyond_64_bits"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, isolated_cache_dir
+from conftest import compose, compose_config, isolated_cache_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tcal.app import CONF_DIR, earlier_run, run_in
@@ -180,7 +180,7 @@ def sweep_names() -> list[str]:
 
 @pytest.mark.parametrize("name", sweep_names())
 def test_every_sweep_composes(name):
-    cfg = compose(f"+sweep={name}", return_hydra_config=True)
+    cfg = compose_config(f"+sweep={name}", return_hydra_config=True)
     params = cfg.hydra.sweeper.params
     assert params and cfg.task_name == name
     assert cfg.hydra.sweep.dir.startswith(f"outputs/multirun/{name}/")
@@ -243,7 +243,7 @@ def test_datasets_source_splits_local_text_by_document(tmp_path):
 @pytest.mark.parametrize("name", sweep_names())
 def test_sweep_runs_from_the_command_line(name, tmp_path):
     """Each sweep with -m, every swept parameter narrowed to one tiny value, runs to a complete results.json."""
-    params = compose(f"+sweep={name}", return_hydra_config=True).hydra.sweeper.params
+    params = compose_config(f"+sweep={name}", return_hydra_config=True).hydra.sweeper.params
     narrowed = [f"{key}=tiny_llama" if key == "teacher" else f"{key}={str(values).split(',')[0]}"
                 for key, values in params.items()]
     cache = isolated_cache_dir(tmp_path / "cache")

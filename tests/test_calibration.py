@@ -81,7 +81,6 @@ def tokens():
 def ctx(tmp_path_factory):
     """A RunContext like `pipeline.prepare` builds: tiny llama with the SmolLM2 vocabulary, Shakespeare splits."""
     from tcal.data import load_splits
-    from tcal.config import run_settings
     from tcal.pipeline import RunContext
     from tcal.teachers.load import load_tokenizer
 
@@ -90,7 +89,7 @@ def ctx(tmp_path_factory):
     cfg = compose("teacher=tiny_llama", f"paths.cache_dir={cache}", "calibration.seq_len=32",
                   "calibration.batch_size=2", "calibration.phase2.steps=5", "calibration.block_size=16")
     tokenizer = load_tokenizer(cfg.teacher, cfg.paths.cache_dir)
-    return RunContext(run_settings(cfg), make_teacher("llama", seed=1, vocab_size=49152), tokenizer,
+    return RunContext(cfg, make_teacher("llama", seed=1, vocab_size=49152), tokenizer,
                       load_splits(cfg.data), Path(cache), root / "run")
 
 

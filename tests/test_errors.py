@@ -23,10 +23,11 @@ def assert_nothing_written(run_dir):
 
 
 def run_fails(compose_cfg, tmp_path, exc, match, *overrides):
-    cfg = compose_cfg("experiment=smoke", f"paths.cache_dir={repo_cache_dir()}", *overrides)
+    """`tcal experiment=smoke <overrides>` as the entry runs it (compose, convert, run) fails with `exc` before
+    anything is written."""
     run_dir = tmp_path / "run"
     with pytest.raises(exc, match=match) as info:
-        run(cfg, run_dir)
+        run(compose_cfg("experiment=smoke", f"paths.cache_dir={repo_cache_dir()}", *overrides), run_dir)
     assert_nothing_written(run_dir)
     return info.value
 

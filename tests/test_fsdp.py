@@ -134,9 +134,8 @@ def test_stage1_cache_key_tells_precisions_apart():
                                                                                 retrieval_mix=0.0))
 
     def key(precision):
-        trainer = SimpleNamespace(precision=precision, devices=1, num_nodes=1, accelerator="cpu")
-        return stage1_key(SimpleNamespace(teacher=teacher, settings=SimpleNamespace(seed=0, trainer=trainer)),
-                          student, plan)
+        settings = compose("stage=align", f"trainer.precision={precision}")
+        return stage1_key(SimpleNamespace(teacher=teacher, settings=settings), student, plan)
 
     assert len({key("32-true"), key("bf16-mixed"), key("bf16-true")}) == 3
     assert key("32-true") == key("32-true")

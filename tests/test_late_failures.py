@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import compose, isolated_cache_dir
 
-from tcal.arguments import check_arguments
-from tcal.config import derived_seed
+from tcal.app import check_arguments
+from tcal.settings import derived_seed
 from tcal.convert import layer_generator
 from tcal.errors import ConfigError
 from tcal.pipeline import run
 from tcal.results import WriteFailed, WriteRefused
-from tcal.validate import validate_config
+from tcal.preflight import check_machine
 
 SMOKE = ("experiment=smoke", "init=naive", "eval.num_windows=2", "logger=none")
 
@@ -35,7 +35,7 @@ SMOKE = ("experiment=smoke", "init=naive", "eval.num_windows=2", "logger=none")
 ], ids=lambda value: value if isinstance(value, str) and "=" in value else None)
 def test_settings_that_used_to_fail_after_the_work_fail_before_it(override, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
-        validate_config(compose(*SMOKE, override, f"paths.cache_dir={tmp_path}"))
+        check_machine(compose(*SMOKE, override, f"paths.cache_dir={tmp_path}"))
 
 
 @pytest.mark.parametrize("overrides", [
@@ -45,8 +45,8 @@ def test_settings_that_used_to_fail_after_the_work_fail_before_it(override, matc
 ], ids=["align_ratio_1", "align_distill_ratio_0.9", "align_explicit_all"])
 def test_stage1_with_no_layer_left_to_align_is_refused_before_work(overrides, tmp_path):
     with pytest.raises(ConfigError, match=r"Stage 1 aligns the converted layers, but .* keeps all 4 layers"):
-        validate_config(compose(*SMOKE, *overrides, f"paths.cache_dir={tmp_path}"))
-    validate_config(compose(*SMOKE, "stage=distill", "retention.ratio=1.0", f"paths.cache_dir={tmp_path}"))
+        check_machine(compose(*SMOKE, *overrides, f"paths.cache_dir={tmp_path}"))
+    check_machine(compose(*SMOKE, "stage=distill", "retention.ratio=1.0", f"paths.cache_dir={tmp_path}"))
 
 
 def test_every_64_bit_seed_gives_a_generator_and_small_seeds_keep_their_streams():

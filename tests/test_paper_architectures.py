@@ -15,12 +15,11 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from tcal.app import group_options
-from tcal.config import run_settings
 from tcal.convert import build_student, naive_gdn
 from tcal.data import load_splits
 from tcal.init import apply_init
 from tcal.pipeline import RunContext
-from tcal.plan import compose_config, make_plan
+from tcal.plan import make_plan
 from tcal.retention.uniform import uniform_layers
 from tcal.teachers.load import load_tokenizer, teacher_architecture
 from tcal.training.stages import DistillStage
@@ -98,7 +97,7 @@ def test_paper_architecture_converts_calibrates_and_distills(teacher_name, token
     calibrated = {}
     for mode in group_options("init"):
         mode_cfg = compose(*overrides(teacher_name, f"paths.cache_dir={cache}", *init_overrides(mode)))
-        ctx = RunContext(run_settings(mode_cfg), teacher, tokenizer, splits, Path(cache), tmp_path / mode)
+        ctx = RunContext(mode_cfg, teacher, tokenizer, splits, Path(cache), tmp_path / mode)
         gdns = {i: naive_gdn(teacher, i) for i in gdn_layers}
         record = apply_init(gdns, mode_cfg.init, ctx)
         assert all(torch.isfinite(p).all() for g in gdns.values() for p in g.parameters()), mode
@@ -112,7 +111,7 @@ def test_paper_architecture_converts_calibrates_and_distills(teacher_name, token
     student = build_student(teacher, uniform_layers(config.num_hidden_layers, 0.5))
     student.load_state_dict(calibrated, strict=False)  # the last init mode's layers
     del calibrated
-    plan = make_plan(compose_config(overrides(teacher_name, *STAGE2, "trainer.precision=bf16-true",
+    plan = make_plan(compose(*overrides(teacher_name, *STAGE2, "trainer.precision=bf16-true",
                                               "stage.teacher_dtype=bfloat16")))["stages"]["distill"]
     more = plan["peak_gb"] - plan["weights_gb"] - plan["teacher_gb"]  # beyond the two models, now in memory
     if more > 0.9 * available_gb():

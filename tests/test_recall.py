@@ -16,7 +16,6 @@ from test_errors import run_fails
 import tcal.calibration.calibrate as calibrate_mod
 import tcal.convert as convert_mod
 import tcal.data as data_mod
-from tcal.config import run_settings
 from tcal.data import load_splits, token_stream
 from tcal.errors import ConfigError
 from tcal.needles import ANSWER, NEEDLE, QUESTION, TEXT, RetrievalSequences, key_words
@@ -84,7 +83,7 @@ def splits():
 def make_ctx(tokenizer, splits, tmp_path):
     def make(teacher, *overrides, cache_dir=None):
         cfg = compose(*PROBE, *overrides)
-        return RunContext(run_settings(cfg), teacher, RecordingTokenizer(tokenizer), CalibrationOnly(splits.calibration),
+        return RunContext(cfg, teacher, RecordingTokenizer(tokenizer), CalibrationOnly(splits.calibration),
                           Path(cache_dir or tmp_path / "cache"), tmp_path / "run")
 
     return make
@@ -287,4 +286,4 @@ def test_a_wrong_type_fails_while_composing():
 def test_recall_composes_with_its_defaults():
     cfg = compose("retention=recall")
     assert cfg.retention.name == "recall" and cfg.retention.scored is None and cfg.retention.fill == "text"
-    assert run_settings(cfg).retention.num_prompts == 8
+    assert cfg.retention.num_prompts == 8

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tcal.app import resumed_config
+from tcal.app import recorded_run
 from tcal.errors import ConfigError, FolderInUse
 from tcal.record import (FIELDS, SCHEMA_VERSION, RecordError, check_record, example_record, example_stage,
                          is_stage_record, load_record, read_record, write_record)
@@ -132,7 +132,7 @@ def test_a_resume_or_rerun_names_a_damaged_record_or_an_unknown_version(tmp_path
     assert caplog.messages == [f"results of an earlier run cannot be used: {path}: field 'teacher': expected a "
                                f"JSON object, got 't1'; starting again"]
     with pytest.raises(ConfigError, match=rf"^resume='{tmp_path}': {path}: field 'teacher': expected a JSON object"):
-        resumed_config(tmp_path)
+        recorded_run(tmp_path)
     newer = _write(tmp_path, {**example_record(), "schema_version": 2})
     kept = newer.read_bytes()
     with pytest.raises(FolderInUse, match=rf"^{newer}: field 'schema_version': version 2 is not one this tcal reads"):
@@ -140,7 +140,7 @@ def test_a_resume_or_rerun_names_a_damaged_record_or_an_unknown_version(tmp_path
     assert newer.read_bytes() == kept
     _write(tmp_path, example_record("failed"))
     with pytest.raises(ConfigError, match=r"holds no config \(its run failed before any work\)"):
-        resumed_config(tmp_path)
+        recorded_run(tmp_path)
 
 
 def test_the_method_document_lists_every_field():

@@ -18,12 +18,12 @@ from conftest import compose, isolated_cache_dir
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
-from tcal.app import CONF_DIR, resumed_config, run_in
-from tcal.arguments import check_arguments
+from tcal import app
+from tcal.app import CONF_DIR, check_arguments, run_in
 from tcal.errors import DamagedCheckpoint, FolderInUse
 from tcal.pipeline import run
 from tcal.record import example_record
-from tcal.rerun import resume_config
+from tcal.rerun import resumed_settings
 
 TINY = ("experiment=smoke", "init=naive", "eval.num_windows=2")
 DISTILL = ("stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=256",
@@ -85,7 +85,7 @@ def straight(tmp_path_factory):
 
 def resume(run_dir: Path) -> None:
     """What `tcal resume=RUN_DIR` does."""
-    run_in(resumed_config(run_dir), run_dir)
+    run_in(app.recorded_run(run_dir), run_dir)
 
 
 def assert_same_as(resumed: Path, uninterrupted: Path) -> None:
@@ -179,20 +179,20 @@ def test_a_damaged_checkpoint_is_named_and_the_record_keeps_what_it_held(straigh
 def recorded_run(tmp_path):
     """A folder whose results.json records a distill run's config (what `tcal resume=` reads)."""
     cfg = compose(*TINY, *DISTILL, "paths.cache_dir=/cache/a")
-    (tmp_path / "results.json").write_text(json.dumps(example_record("initialized", config=resolved(cfg))))
+    (tmp_path / "results.json").write_text(json.dumps(example_record("initialized", config=cfg.tree())))
     return tmp_path
 
 
-def resolved(cfg) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
+def chosen_groups(overrides: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the config groups the overrides choose, the keys they set), as the entry passes them."""
+    keys = [o.split("=")[0] for o in overrides]
+    return tuple(k for k in keys if "." not in k), tuple(k for k in keys if "." in k)
 
 
 @pytest.mark.parametrize("overrides,match", [
     (["seed=7", "stage=distill", "stage.lr_mixer=0.5"],
      r"the run was started with other settings \(seed=7 \(that run: 0\), stage.lr_mixer=0.5 \(that run: 0.0001\)\); "
-     r"expected only keys safe to change on resume \(resume, task_name, paths.\*, logger.\*"),
+     r"expected only settings that change nothing \(paths, logger, save_student, task_name, cache switches\)"),
     (["experiment=smoke", "eval.num_windows=2", "init=full"],
      r"the run was started with other settings \(init.name='full' \(that run: 'naive'\)\); expected"),
     (["experiment=smoke", "eval.num_windows=3"],
@@ -200,9 +200,9 @@ def resolved(cfg) -> dict:
 ])
 def test_resume_refuses_overrides_that_change_the_run(overrides, match, recorded_run):
     cfg = compose(f"resume={recorded_run}", *overrides)
-    recorded = resumed_config(recorded_run)
+    record = json.loads((recorded_run / "results.json").read_text())
     with pytest.raises(FolderInUse, match=rf"^resume={recorded_run}: {match}"):
-        resume_config(recorded_run, recorded, cfg, compose(), overrides)
+        resumed_settings(recorded_run, record, cfg, compose(), *chosen_groups(overrides))
     with pytest.raises(FolderInUse, match=rf"^resume={recorded_run}: {match}"):
         check_arguments([f"resume={recorded_run}", *overrides])
 
@@ -212,9 +212,9 @@ def test_resume_takes_safe_overrides_and_the_run_s_own_settings(recorded_run):
                  "save_student=false", "stage=distill", "stage.lr_mixer=0.0001"]
     cfg = compose(f"resume={recorded_run}", *overrides)
     check_arguments([f"resume={recorded_run}", *overrides])
-    resumed = resume_config(recorded_run, resumed_config(recorded_run), cfg, compose(), overrides)
-    expected = {**json.loads((recorded_run / "results.json").read_text())["config"], "resume": str(recorded_run),
-                "save_student": False}
+    record = json.loads((recorded_run / "results.json").read_text())
+    resumed = resumed_settings(recorded_run, record, cfg, compose(), *chosen_groups(overrides))
+    expected = {**record["config"], "resume": str(recorded_run), "save_student": False}
     expected["paths"] = {**expected["paths"], "cache_dir": "/cache/b"}
-    expected["logger"] = {"name": "none"}
-    assert resolved(resumed) == expected
+    expected["logger"] = {"name": "none", "project": None, "group": None}
+    assert resumed.tree() == expected

@@ -11,13 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import compose, make_teacher, repo_cache_dir
+from conftest import compose, compose_config, make_teacher, repo_cache_dir
 from omegaconf import OmegaConf
 
 import tcal.calibration.calibrate as calibrate_mod
 import tcal.retention.ar as ar_mod
 import tcal.retention.ga_s2 as ga_s2_mod
-from tcal.config import run_settings
 from tcal.convert import build_student, naive_gdn
 from tcal.data import load_splits, token_stream
 from tcal.init import init_student
@@ -88,7 +87,7 @@ def make_ctx(tokenizer, splits, tmp_path):
 
     def make(teacher, *overrides, cache_dir=None):
         cfg = compose(*fast(*overrides))
-        return RunContext(run_settings(cfg), teacher, RecordingTokenizer(tokenizer),
+        return RunContext(cfg, teacher, RecordingTokenizer(tokenizer),
                           SelectionSplits(splits.calibration), Path(cache_dir or tmp_path / "cache"), tmp_path / "run")
 
     return make
@@ -239,9 +238,10 @@ def test_second_selection_reads_the_cache(policy, init, make_ctx, teacher, monke
     files = sorted((tmp_path / "cache" / "retention").iterdir())
     assert [f.name.split("-")[0] for f in files] == [policy] and files[0].suffix == ".json"  # no temp files
     record = json.loads(files[0].read_text())
-    assert {"teacher", "policy", "settings", "data", "calibration_tokens"} <= set(record["parts"])
-    assert "ratio" not in record["parts"]["settings"]
-    assert ("init" in record["parts"]) == (policy == "ga_s2")
+    assert {"teacher", "policy", "settings", "calibration_tokens"} <= set(record["parts"])
+    keyed = record["parts"]["settings"]
+    assert "retention.ratio" not in keyed and "retention.seq_len" in keyed and "data.split_seed" in keyed
+    assert ("init.name" in keyed) == (policy == "ga_s2")  # its probes are initialized students
 
     forbid(monkeypatch, teacher)
     again = select_layers(ctx.settings.retention, make_ctx(teacher, f"retention={policy}", f"init={init}",
@@ -297,7 +297,9 @@ def test_selection_reads_only_the_calibration_split(policy, init, make_ctx, teac
 @pytest.mark.parametrize("policy", ["uniform", "ar", "ga_s2"])
 @pytest.mark.parametrize("ratio", [0, -0.1, 1.5])
 def test_ratio_outside_unit_interval(policy, ratio):
-    cfg = compose("teacher=tiny_llama", f"retention={policy}", f"retention.ratio={ratio}").retention
+    with pytest.raises(ValueError, match=rf"^retention.ratio={float(ratio)} must lie in \(0, 1\]"):
+        compose("teacher=tiny_llama", f"retention={policy}", f"retention.ratio={ratio}")
+    cfg = SimpleNamespace(name=policy, ratio=ratio)  # settings built without their checks
     ctx = SimpleNamespace(num_layers=L)  # fails before touching teacher, data or cache
     with pytest.raises(ValueError, match=rf"retention.ratio={float(ratio)} must lie in \(0, 1\]"):
         POLICIES[policy](cfg, ctx)
@@ -372,7 +374,7 @@ def test_pipeline_ratio_one(run_cache, tmp_path):
 
 
 def test_retention_sweep_composes():
-    cfg = compose("+sweep=retention_policies", return_hydra_config=True)
+    cfg = compose_config("+sweep=retention_policies", return_hydra_config=True)
     assert dict(cfg.hydra.sweeper.params) == {"retention": "uniform,ar,ga_s2", "init": "naive,full"}
     assert cfg.teacher.name == "smollm2_135m" and cfg.retention.ratio == 0.5
     assert set(POLICIES.names()) >= {"uniform", "ar", "ga_s2", "explicit"}

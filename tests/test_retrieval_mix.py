@@ -9,7 +9,6 @@ import torch
 from conftest import compose, repo_cache_dir
 from test_errors import run_fails
 
-from tcal.config import run_settings
 from tcal.data import load_splits, token_stream
 from tcal.errors import ConfigError
 from tcal.needles import key_words
@@ -88,7 +87,7 @@ def test_mixed_samples_are_retrieval_sequences_of_the_training_split(train_docs,
 
 def test_off_by_default_and_recorded_in_the_settings():
     assert compose().data.retrieval_mix == 0.0
-    assert run_settings(compose("data.retrieval_mix=0.25")).data.retrieval_mix == 0.25
+    assert (compose("data.retrieval_mix=0.25")).data.retrieval_mix == 0.25
 
 
 def test_the_mix_keys_the_stage1_cache(train_docs, tokenizer):
@@ -103,7 +102,7 @@ def test_the_mix_keys_the_stage1_cache(train_docs, tokenizer):
     teacher = make_teacher("llama")
     keys = []
     for mix in (0.0, 0.25, 0.5):
-        ctx = SimpleNamespace(teacher=teacher, settings=run_settings(compose("stage=align")))
+        ctx = SimpleNamespace(teacher=teacher, settings=compose("stage=align", f"data.retrieval_mix={mix}"))
         plan = SimpleNamespace(cfg=ctx.settings.stage, data=module(train_docs, tokenizer, mix=mix))
         keys.append(stage1_key(ctx, Student(), plan))
     assert len(set(keys)) == 3

@@ -68,7 +68,7 @@ def test_a_run_into_a_folder_a_live_run_holds_is_refused_naming_it(holder, tmp_p
 
 def test_the_library_s_distill_into_a_held_folder_is_refused(holder, tmp_path):
     from tcal import api
-    from tcal.config import DataSettings, DistillSettings, tiny_teacher
+    from tcal.settings import DataSettings, DistillSettings, tiny_teacher
     from conftest import repo_cache_dir
 
     proc = holder("folder", tmp_path / "run")

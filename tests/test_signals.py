@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from tcal import api
 from tcal.app import CONF_DIR
-from tcal.config import DataSettings, DistillSettings, init_settings, tiny_teacher
+from tcal.settings import DataSettings, DistillSettings, init_settings, tiny_teacher
 from tcal.pipeline import run
 from tcal.signals import Interrupted, KeyboardInterrupted, handling
 

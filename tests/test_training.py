@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import compose, isolated_cache_dir, make_teacher
-from hydra.errors import HydraException
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
-from tcal.app import CONF_DIR, resumed_config
+from tcal.app import CONF_DIR, recorded_run
 from tcal.convert import build_student
 import tcal.data
 from tcal.data import Document, forget_token_streams, load_splits, token_stream, tokenize_documents
@@ -289,7 +288,7 @@ def test_kill_and_resume_gives_the_uninterrupted_run(tmp_path):
     assert (interrupted["status"], interrupted["failed_after"]) == ("failed", "trained_align")
     assert interrupted["error"] == "Killed: killed at step 3"
     assert (killed_dir / "checkpoints" / "distill" / "last.ckpt").is_file()
-    resumed = run(resumed_config(killed_dir), killed_dir, resume=True)
+    resumed = run(recorded_run(killed_dir), killed_dir, resume=True)
     assert resumed["stages"]["distill"]["resumed"] and resumed["stages"]["align"]["cached"]
     assert resumed["curve"] == straight["curve"]
     tokens = [p["tokens"] for p in resumed["curve"]["shakespeare"]]
@@ -325,9 +324,8 @@ def test_ddp_two_processes_count_both_ranks_and_end_identical(tmp_path):
 
 
 def _fails(tmp_path, match, *overrides, exc=ValueError):
-    cfg = smoke_cfg(isolated_cache_dir(tmp_path / "cache"), *overrides)
     with pytest.raises(exc, match=match):
-        run(cfg, tmp_path / "run")
+        run(smoke_cfg(isolated_cache_dir(tmp_path / "cache"), *overrides), tmp_path / "run")
     assert not (tmp_path / "run" / "results.json").exists()
 
 
@@ -347,7 +345,7 @@ def test_bad_stage_settings(tmp_path, overrides, match):
 
 
 def test_unknown_stage_is_named(tmp_path):
-    with pytest.raises(HydraException, match=r"stage.*bogus|bogus.*stage"):
+    with pytest.raises(ConfigError, match=r"^stage='bogus': no such option in config group 'stage'"):
         compose("stage=bogus")
 
 

@@ -16,8 +16,7 @@ import torch
 from conftest import compose, repo_cache_dir
 from test_errors import run_fails
 
-from tcal.app import CONF_DIR, check_group_overrides
-from tcal.arguments import check_arguments
+from tcal.app import CONF_DIR, check_arguments
 from tcal.errors import ConfigError
 
 # (overrides, the message's expected pattern); "{tmp}" stands for the test's tmp_path.
@@ -158,12 +157,15 @@ SCHEMA_CASES = [
 
 
 @pytest.mark.parametrize("overrides,key,match", SCHEMA_CASES, ids=[" ".join(o) for o, _, _ in SCHEMA_CASES])
-def test_wrong_type_fails_from_the_schema_while_composing(overrides, key, match, compose_cfg):
+def test_wrong_type_fails_from_the_schema_while_composing(overrides, key, match):
+    from hydra import compose as hydra_compose
     from hydra.errors import ConfigCompositionException
     from omegaconf.errors import ValidationError
 
-    with pytest.raises(ConfigCompositionException) as info:
-        compose_cfg("experiment=smoke", *overrides)
+    from tcal.settings.compose import hydra_configs
+
+    with hydra_configs(), pytest.raises(ConfigCompositionException) as info:
+        hydra_compose("config", overrides=["experiment=smoke", *overrides])
     cause = info.value.__cause__
     assert isinstance(cause, ValidationError) and cause.full_key == key
     assert re.search(match, str(cause)), str(cause)
@@ -180,22 +182,22 @@ def test_true_or_false_settings_take_only_true_or_false(args):
 @pytest.mark.parametrize("args,match", [
     (["stage=bogus"], r"stage='bogus': no such option in config group 'stage'; expected one of align, "
                       r"align_distill, distill, none"),
-    (["experiment=smoke", "init=naive,fancy"], r"init='fancy': no such option in config group 'init'"),
+    (["-m", "experiment=smoke", "init=naive,fancy"], r"init='fancy': no such option in config group 'init'"),
     (["eval/harness=nope"], r"eval/harness='nope': no such option in config group 'eval/harness'"),
     (["-m", "init=choice(naive,fancy)"], r"init='fancy': no such option in config group 'init'"),
-    (["+stage=[distill,bogus]"], r"stage='bogus': no such option in config group 'stage'"),
     (["trainer=deepspeed"], r"trainer='deepspeed': no such option in config group 'trainer'; expected one of cpu, "
                             r"ddp, default, fsdp, gpu"),  # removed: docs/scale.md says why
 ])
 def test_unknown_group_option(args, match):
-    with pytest.raises(ConfigError, match=match):
-        check_group_overrides(args)
+    with pytest.raises(ConfigError, match=match) as info:
+        check_arguments(args)
+    assert "\n" not in str(info.value)
 
 
 def test_known_group_options_and_plain_keys_pass():
-    check_group_overrides(["experiment=smoke", "init=naive,full", "+stage=distill", "stage.seq_len=3",
-                           "eval/harness=none", "hydra.run.dir=x", "retention=glob(*)", "data.files=[a.txt]", "-m",
-                           "init='full'", "~retention", "init=null", "seed=range(2)", "--cfg", "job"])
+    check_arguments(["-m", "experiment=smoke", "init=naive,full", "stage=distill", "stage.seq_len=3",
+                     "eval/harness=none", "hydra.run.dir=x", "data.files=[a.txt]", "seed=range(2)"])
+    check_arguments(["retention=glob(*)", "--cfg", "job"])  # Hydra's own modes are left to Hydra
 
 
 def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -205,10 +207,12 @@ def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args,match", [
-    (["stage=distill", "stage.lr_mixr=0.1"], r"^stage.lr_mixr=0.1: no such setting \(did you mean stage.lr_mixer\?\)"),
-    (["-m", "stage=align,distill", "stage.lr=0.1"], r"^stage.lr=0.1: no such setting in the job with stage=distill"),
-    (["+seed=3"], r"^\+seed=3: seed is already a setting; expected seed=3$"),
-    (["~stage.bogus"], r"^~stage.bogus: no such setting to delete"),
+    (["stage=distill", "stage.lr_mixr=0.1"], r"^stage.lr_mixr=0.1: Key 'lr_mixr' not in 'DistillSettings' \(did you "
+                                             r"mean stage.lr_mixer\?\) \(key stage.lr_mixr\)$"),
+    (["-m", "stage=align,distill", "stage.lr=0.1"], r"^stage.lr=0.1: Key 'lr' not in 'DistillSettings' \(key "
+                                                    r"stage.lr\) \(in the job with stage=distill\)$"),
+    (["+seed=3"], r"^\+seed=3: Could not append to config\. An item is already at 'seed'"),
+    (["~stage.bogus"], r"^~stage.bogus: Could not delete from config\. 'stage.bogus' does not exist"),
     (["retention.keep=[0,"], r"^retention.keep=\[0,: cannot be read \(no viable alternative at input '\[0,'\); "
                              r"expected key=value"),
     (["retention.ratio=0.5,0.75"], r"^retention.ratio=0.5,0.75: a sweep of values in a single run; expected tcal -m"),
@@ -220,14 +224,16 @@ def test_overrides_hydra_cannot_apply_are_one_error_before_any_job(args, match):
 
 
 def test_overrides_that_compose_pass():
-    check_arguments(["experiment=smoke", "stage=distill", "stage.lr_mixer=0.1", "+sweep=after_training", "resume=x"])
+    check_arguments(["experiment=smoke", "stage=distill", "stage.lr_mixer=0.1", "+sweep=token_efficiency"])
+    check_arguments(["-m", "+sweep=after_training"])
     check_arguments(["-m", "stage=align,align_distill", "init=naive,full", "seed=range(2)", "hydra.sweep.dir=x"])
 
 
 @pytest.mark.parametrize("args,message", [
     (["retention.ratio=1.5"], "retention.ratio=1.5 must lie in (0, 1]"),
     (["stage=bogus"], "stage='bogus': no such option in config group 'stage'"),
-    (["stage=distill", "stage.lr_mixr=0.1"], "stage.lr_mixr=0.1: no such setting (did you mean stage.lr_mixer?)"),
+    (["stage=distill", "stage.lr_mixr=0.1"], "stage.lr_mixr=0.1: Key 'lr_mixr' not in 'DistillSettings' (did you "
+                                             "mean stage.lr_mixer?)"),
     (["+stage.lr_mixr=0.1", "stage=distill"], "stage.lr_mixr=0.1: no such setting (did you mean stage.lr_mixer?)"),
 ])
 def test_entry_prints_one_line_and_exits_2(args, message, tmp_path):
@@ -239,14 +245,21 @@ def test_entry_prints_one_line_and_exits_2(args, message, tmp_path):
     assert not (tmp_path / "run" / "results.json").exists()
 
 
-def test_every_shipped_option_experiment_and_sweep_holds_only_known_keys():
-    from tcal.settings import config_groups
-    from tcal.validate import check_known_keys
+def test_every_shipped_option_experiment_and_sweep_composes_into_settings():
+    """The schemas are closed: an option, experiment or sweep holding a key its schema does not declare fails."""
+    from tcal.settings.compose import group_options
 
-    overrides = [f"{group}={option}" for group, options in config_groups() for option in options]
+    groups = [p.relative_to(CONF_DIR).as_posix() for p in Path(CONF_DIR).rglob("*") if p.is_dir()]
+    overrides = [f"{group}={option}" for group in groups if group.split("/")[0] not in ("hydra", "experiment", "sweep")
+                 for option in group_options(group)]
     overrides += [f"+sweep={p.stem}" for p in (Path(CONF_DIR).parent / "sweeps").glob("*.yaml")]
     overrides += [f"experiment={p.stem}" for p in (Path(CONF_DIR).parent / "experiments").glob("*.yaml")]
     assert len(overrides) > 40
     for override in overrides:
         extra = ["retention.keep=[0,1]"] if override == "retention=explicit" else []
-        check_known_keys(compose(override, *extra))
+        compose(override, *extra)
+
+
+def test_a_sweep_file_whose_jobs_set_keys_their_option_lacks_fails_before_any_job(tmp_path):
+    with pytest.raises(ConfigError, match=r"stage.max_tokens=5: Key 'max_tokens' not in 'StageSequenceSettings'"):
+        check_arguments(["-m", "+sweep=after_training", "stage.max_tokens=5"])

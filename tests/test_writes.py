@@ -205,7 +205,7 @@ def test_the_trainer_writes_checkpoints_with_the_atomic_io(tmp_path):
     """make_trainer's checkpoints go through `atomic_checkpoint_io` (not Lightning's temporary-folder copy)."""
     from types import SimpleNamespace
 
-    from tcal.config import TrainerSettings
+    from tcal.settings import TrainerSettings
     from tcal.training.run import make_trainer
 
     plan = SimpleNamespace(kind="distill", total_steps=1, eval_every_steps=1, cfg=SimpleNamespace(grad_clip=1.0))

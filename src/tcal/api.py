@@ -13,16 +13,19 @@ These are the steps `tcal` runs (`tcal.pipeline` calls them); on-disk caches (ca
 Stage 1) live under `cache_dir`, $TCAL_CACHE_DIR or .cache/tcal as for `tcal`.
 
 Every step is the CLI's equal (`step`): its arguments are checked against its annotations first (a wrong type is a
-TypeError naming the step, the argument and what it expected), its settings go through the checks `tcal` makes
-(`tcal.validate`, a ConfigError naming the key: also lengths past the loaded teacher's context), and a signal
-stops it with `tcal.signals.Interrupted` (SIGINT: a KeyboardInterrupt, never SystemExit).
+TypeError naming the step, the argument and what it expected); its settings checked themselves when they were built
+(`tcal.settings`), and the step checks what they need of the machine and the loaded teacher as `tcal` does
+(`tcal.preflight`, a ConfigError naming the key: also lengths past the teacher's context); a signal stops it with
+`tcal.signals.Interrupted` (SIGINT: a KeyboardInterrupt, never SystemExit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import numbers
 import os
 import types
@@ -31,9 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from tcal.config import (
+from tcal.context import RunContext
+from tcal.data import Splits, load_splits
+from tcal.distributed import Ranks
+from tcal.preflight import check_budgets, check_fit, check_keep_list, check_ruler_room, check_trainer
+from tcal.retention import Selection
+from tcal.settings import (
     CalibrationSettings,
     DataSettings,
     DistillSettings,
@@ -48,13 +55,10 @@ from tcal.config import (
     TrainerSettings,
     default_teacher,
 )
-from tcal.context import RunContext
-from tcal.data import Splits, load_splits
-from tcal.distributed import Ranks
-from tcal.retention import Selection
 from tcal.signals import handling
 
 PathLike = typing.Union[str, os.PathLike]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,11 +144,6 @@ def context(teacher: Teacher, splits: Splits, settings: RunSettings, cache_dir=N
                       splits, cache, folder, ranks=ranks or Ranks())
 
 
-def checked(check, settings: RunSettings) -> None:
-    """Run one of `tcal.validate`'s checks on typed settings (the same messages as for `tcal`)."""
-    check(OmegaConf.structured(settings))
-
-
 @step
 def load_teacher(settings: TeacherSettings | None = None, cache_dir: PathLike | None = None,
                  device: str | torch.device | None = None) -> Teacher:
@@ -172,18 +171,13 @@ def select_layers(teacher: Teacher, splits: Splits, retention: RetentionSettings
     students initialized with `init` (and `calibration`)."""
     from tcal.retention import select_layers as select
 
-    from tcal.validate import check_calibration, check_fit, check_retention, check_seed
-
     settings = RunSettings(retention=retention, init=init or InitSettings(),
                            calibration=calibration or CalibrationSettings(), seed=seed)
-    cfg = OmegaConf.structured(settings)
-    check_seed(cfg)
-    check_retention(cfg, teacher.num_layers)
-    if "seq_len" in cfg.retention:
-        check_fit([("retention.seq_len", cfg.retention.seq_len)], context_length(teacher))
-    if cfg.retention.name == "ga_s2":
-        check_calibration(cfg)
-        check_fit([("calibration.seq_len", cfg.calibration.seq_len)], context_length(teacher))
+    check_keep_list(settings, teacher.num_layers)
+    lengths = [("retention.seq_len", retention.seq_len)] if hasattr(retention, "seq_len") else []
+    if retention.name == "ga_s2" or getattr(retention, "probe", None) == "gdn":
+        lengths.append(("calibration.seq_len", settings.calibration.seq_len))
+    check_fit(lengths, context_length(teacher))
     return select(retention, context(teacher, splits, settings, cache_dir, ranks=ranks))
 
 
@@ -203,48 +197,66 @@ def initialize(student: torch.nn.Module, teacher: Teacher, splits: Splits, init:
                ranks: Ranks | None = None) -> dict:
     """Initialize the student's GDN layers in place by init mode `init.name`; returns the calibration record."""
     from tcal.init import init_student
-    from tcal.validate import check_calibration, check_init
-
-    from tcal.validate import check_fit, check_seed, init_phases
 
     settings = RunSettings(init=init, calibration=calibration or CalibrationSettings(), seed=seed)
-    checked(check_seed, settings)
-    checked(check_init, settings)
-    checked(check_calibration, settings)
-    cfg = OmegaConf.structured(settings)
-    if init_phases(cfg) or cfg.init.name == "full_plus":
-        check_fit([("calibration.seq_len", cfg.calibration.seq_len)], context_length(teacher))
+    if settings.calibrates():
+        check_fit([("calibration.seq_len", settings.calibration.seq_len)], context_length(teacher))
     return init_student(student, init, context(teacher, splits, settings, cache_dir, ranks=ranks))
+
+
+@dataclass
+class StageProgress:
+    """What a caller follows of `distill`'s stages as they run (`tcal` records each in results.json and continues
+    killed runs): `on_curve(kind, curve)` at every evaluation, `on_stage(kind, record, seconds)` when a stage ends,
+    a Lightning `logger` and `callbacks` for every stage's Trainer, and `resume` to continue each stage from its
+    last checkpoint in `run_dir`."""
+
+    resume: bool = False
+    logger: object = None
+    callbacks: list = dataclasses.field(default_factory=list)
+    on_curve: typing.Callable[[str, dict], None] = lambda kind, curve: None
+    on_stage: typing.Callable[[str, dict, float], None] = lambda kind, record, seconds: None
 
 
 @step
 def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: StageSettings | None = None,
             tokens: int | None = None, eval: EvalSettings | None = None, data: DataSettings | None = None,
             trainer: TrainerSettings | None = None, seed: int = 0, run_dir: PathLike | None = None,
-            cache_dir: PathLike | None = None):
+            cache_dir: PathLike | None = None, ranks: Ranks | None = None, progress: StageProgress | None = None):
     """Train the student for one stage (or a sequence) of `stage` (default: Stage 2 distillation), `tokens`
     replacing its token budget; returns (the trained student, the stage records with their perplexity curves on
-    the eval sets of `data`)."""
-    from tcal.training.run import plan_stages, run_stage
-    from tcal.config import stages_of
+    the eval sets of `data`). Under a mixed precision the student trains on float32 weights. This is the training
+    `tcal` runs (`tcal.pipeline`, which passes its ranks and a `progress`)."""
+    import time
+
     from tcal.rerun import holding_folder
-    from tcal.validate import check_eval, check_fit, check_seed, check_stages, check_trainer, eval_lengths
+    from tcal.training.run import plan_stages, run_stage
 
     stage = stage or DistillSettings()
     if tokens is not None:
         stage = with_budget(stage, int(tokens))
     settings = RunSettings(data=data or DataSettings(), stage=stage, eval=eval or EvalSettings(),
                            trainer=trainer or TrainerSettings(), seed=seed)
-    for check in (check_seed, check_trainer, check_stages, check_eval):
-        checked(check, settings)
-    cfg = OmegaConf.structured(settings)
-    check_fit([*((f"{prefix}.seq_len", node.seq_len) for _, node, prefix in stages_of(cfg.stage)),
-               *eval_lengths(cfg)], context_length(teacher))
-    ctx = context(teacher, splits, settings, cache_dir, run_dir)
+    check_trainer(settings.trainer)
+    check_budgets(settings)
+    check_fit([*((f"{key}.seq_len", node.seq_len) for key, node in settings.stage.stages()),
+               *settings.eval.lengths()], context_length(teacher))
+    progress = progress or StageProgress()
+    ctx = context(teacher, splits, settings, cache_dir, run_dir, ranks)
+    ctx.extra_callbacks = list(progress.callbacks)
     records = {}
-    with holding_folder(ctx.run_dir):  # its checkpoints: one live run per folder, as for `tcal`
-        for plan in plan_stages(ctx):
-            records[plan.kind], student = run_stage(plan, ctx, student, None, lambda curve: None, resume=False)
+    holding = holding_folder(ctx.run_dir) if ctx.ranks.is_main else contextlib.nullcontext()
+    with holding:  # its checkpoints: one live run per folder (held by rank 0), as for `tcal`
+        plans = plan_stages(ctx)
+        if plans and settings.trainer.mixed and student.dtype != torch.float32:
+            log.info("trainer.precision=%s: the student trains on float32 weights (it was %s); compute is autocast",
+                     settings.trainer.precision, student.dtype)
+            student.float()
+        for plan in plans:
+            start = time.perf_counter()
+            records[plan.kind], student = run_stage(plan, ctx, student, progress.logger,
+                                                    functools.partial(progress.on_curve, plan.kind), progress.resume)
+            progress.on_stage(plan.kind, records[plan.kind], round(time.perf_counter() - start, 3))
     return student, records
 
 
@@ -263,16 +275,13 @@ def evaluate(student: torch.nn.Module, teacher: Teacher, splits: Splits, eval: E
     """Teacher and student perplexity on the eval sets of `data` (plus the harness and RULER that `eval` names):
     the `metrics`, `harness` and `ruler` entries of a results.json."""
     from tcal.evaluate.suite import evaluate as run_evaluation
-    from tcal.validate import check_eval, check_fit, check_ruler_room, check_trainer, eval_lengths
 
     settings = RunSettings(data=data or DataSettings(), eval=eval or EvalSettings(),
                            trainer=trainer or TrainerSettings())
-    checked(check_eval, settings)
-    checked(check_trainer, settings)
-    cfg = OmegaConf.structured(settings)
-    check_fit(eval_lengths(cfg), context_length(teacher))  # the same check as `tcal`'s, on the loaded teacher
+    check_trainer(settings.trainer)
+    check_fit(settings.eval.lengths(), context_length(teacher))  # the same check as `tcal`'s, on the loaded teacher
     ctx = context(teacher, splits, settings, cache_dir, ranks=ranks)
-    check_ruler_room(ctx, cfg)
+    check_ruler_room(ctx)
     student.eval()
     return run_evaluation(ctx, student)
 
@@ -292,5 +301,5 @@ def save(student: torch.nn.Module, tokenizer, folder: PathLike) -> Path:
     return Path(folder)
 
 
-__all__ = ["Teacher", "load_teacher", "load_data", "select_layers", "build_student", "initialize",
+__all__ = ["Teacher", "StageProgress", "load_teacher", "load_data", "select_layers", "build_student", "initialize",
            "distill", "evaluate", "save"]

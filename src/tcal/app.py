@@ -1,13 +1,16 @@
 """`tcal`: the Hydra entry of the main job (see conf/config.yaml).
 
-Run again into a folder that already holds a run of the same config (`hydra.sweep.dir=` of a finished or
-interrupted sweep), a finished run is skipped and an unfinished one continues from its last checkpoint, so a
-rerun of a sweep does no work twice; a folder holding a run of another config is refused (`tcal.rerun`).
-`tcal resume=RUN_DIR` does the same for the run recorded there; overrides on resume must be safe to change.
-In a sweep (`-m`), a failing job is recorded in its folder and the others run (`tcal.sweep`).
+The entry composes, converts the config into typed settings once (`tcal.settings.compose.run_settings`) and hands
+them to the library (`tcal.pipeline.run`). Before Hydra starts a job, every job of the command is composed and
+converted here (`check_arguments`), so a bad setting is one line and exit code 2, before any work, and a sweep
+with one bad job runs none.
 
-A configuration error (`tcal.errors.ConfigError`: a bad setting, unreadable data, or an unknown option of a
-config group) prints one line on stderr and exits with code 2, before any work and without a traceback.
+Run again into a folder that already holds a run of the same settings (`hydra.sweep.dir=` of a finished or
+interrupted sweep), a finished run is skipped and an unfinished one continues from its last checkpoint, so a
+rerun of a sweep does no work twice; a folder holding a run of other settings is refused (`tcal.rerun`).
+`tcal resume=RUN_DIR` does the same for the run recorded there; overrides on resume must change nothing of its
+result. In a sweep (`-m`), a failing job is recorded in its folder and the others run (`tcal.sweep`).
+
 SIGTERM, SIGINT or SIGUSR1 (`tcal.signals`) leave the record saying so, print one line (a sweep: one per job
 that did not run) and exit with 128 + the signal's number; a write the filesystem refuses is one line, exit 1.
 """
@@ -17,23 +20,35 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf
 
-from tcal.arguments import check_arguments
 from tcal.errors import ConfigError, Divergence
 from tcal.record import RESULTS, RecordError, load_record, read_record
-from tcal.results import WriteFailed
-from tcal.settings import group_options
+from tcal.results import WriteFailed, in_the_way
+from tcal.settings import RunSettings
+from tcal.settings.compose import (
+    CONF,
+    compose_here,
+    group_options,
+    hydra_configs,
+    one_job_per_group_choice,
+    parse,
+    planned_jobs,
+    register_schemas,
+    run_settings,
+)
 from tcal.signals import Interrupted, handling
 from tcal.sweep import failed_jobs, interrupted_lines, sweep_job
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = str(CONF)
 CONFIG_ERROR_EXIT = 2
+RUN_FLAGS = ("-m", "--multirun", "-r", "--run")  # flags that leave the overrides as they are
+OUTPUT_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "resume")
+
+register_schemas()  # before Hydra composes: conf/'s options open with these schemas
 
 
-def resumed_config(run_dir: Path, cfg=None, overrides: list[str] = ()):
-    """The resolved config a run recorded in its results.json, to continue that run exactly; `cfg` (this
-    command's config) may change only the keys safe to change on resume (`tcal.rerun.resume_config`)."""
+def read_resumed(run_dir: Path) -> dict:
+    """The record of the run `resume=RUN_DIR` names; ConfigError when there is none to continue."""
     results = Path(run_dir) / RESULTS
     if not results.is_file():
         raise ConfigError(f"resume={str(run_dir)!r}: no results.json there; expected a run folder of `tcal`")
@@ -44,32 +59,45 @@ def resumed_config(run_dir: Path, cfg=None, overrides: list[str] = ()):
     if "config" not in record:
         raise ConfigError(f"resume={str(run_dir)!r}: {results} holds no config (its run failed before any work); "
                           f"expected the record of a run that started: run it again instead")
-    recorded = OmegaConf.create(record["config"])
-    recorded.resume = str(run_dir)
-    if cfg is not None:
-        from hydra import compose
-
-        from tcal.rerun import resume_config
-        recorded = resume_config(Path(run_dir), recorded, cfg, compose(config_name="config"), list(overrides))
-    return recorded
+    return record
 
 
-def earlier_run(cfg, run_dir: Path) -> str:
-    """What `run_dir` holds for `cfg`: "none" (nothing), "complete" or "unfinished"; a run of another config
+def recorded_run(run_dir: Path) -> RunSettings:
+    """The settings of the run recorded in `run_dir` (`resume=RUN_DIR` continues with them)."""
+    from tcal.rerun import recorded_settings
+
+    return recorded_settings(Path(run_dir), read_resumed(run_dir))
+
+
+def resumed(settings: RunSettings, defaults: RunSettings, overrides: list[str]) -> RunSettings:
+    """The settings of the run `settings.resume` names, continued with this command's safe settings."""
+    from tcal.rerun import resumed_settings
+
+    run_dir = Path(settings.resume)
+    keys = [parse(arg).key_or_group.lstrip("+") for arg in overrides]
+    chosen = tuple(key.replace("/", ".") for key in keys if group_options(key) is not None)
+    named = tuple(key for key in keys if group_options(key) is None)
+    continued = resumed_settings(run_dir, read_resumed(run_dir), settings, defaults, chosen, named)
+    continued.resume = str(run_dir)
+    return continued
+
+
+def earlier_run(settings: RunSettings, run_dir: Path) -> str:
+    """What `run_dir` holds for `settings`: "none" (nothing), "complete" or "unfinished"; a run of other settings
     there is refused (FolderInUse). A damaged results.json is warned about and run again."""
     from tcal.rerun import folder_state
-    return folder_state(Path(run_dir), read_record(run_dir), OmegaConf.to_container(cfg, resolve=True))
+    return folder_state(Path(run_dir), read_record(run_dir), settings)
 
 
-def run_in(cfg, run_dir: Path, ranks=None) -> None:
-    """Run `cfg` in `run_dir`: skip it when already complete there, continue it when unfinished. The decision is
-    taken once, before any rank writes: here, before this process starts the job's ranks (`tcal.rank`), or by
+def run_in(settings: RunSettings, run_dir: Path, ranks=None) -> None:
+    """Run `settings` in `run_dir`: skip it when already complete there, continue it when unfinished. The decision
+    is taken once, before any rank writes: here, before this process starts the job's ranks (`tcal.rank`), or by
     rank 0 for all when the ranks were started from outside (SLURM)."""
     from tcal.distributed import launch, starts_ranks
-    starts = ranks is None and starts_ranks(cfg.trainer)
+    starts = ranks is None and starts_ranks(settings.trainer)
     if not starts:
-        ranks = ranks or launch(cfg.trainer)
-    earlier = earlier_run(cfg, run_dir) if starts else ranks.decide(lambda: earlier_run(cfg, run_dir))
+        ranks = ranks or launch(settings.trainer)
+    earlier = earlier_run(settings, run_dir) if starts else ranks.decide(lambda: earlier_run(settings, run_dir))
     if earlier == "complete":
         print(f"tcal: {run_dir} already holds this run, complete; nothing to do "
               f"(results: {Path(run_dir) / 'results.json'})", flush=True)
@@ -78,44 +106,65 @@ def run_in(cfg, run_dir: Path, ranks=None) -> None:
         print(f"tcal: {run_dir} holds this run, unfinished; continuing it", flush=True)
     if starts:
         from tcal.rank import run_ranks
-        run_ranks(cfg, run_dir, resume=earlier == "unfinished")
+        run_ranks(settings, run_dir, resume=earlier == "unfinished")
     else:
         from tcal.pipeline import run
-        run(cfg, run_dir, resume=earlier == "unfinished", ranks=ranks)
+        run(settings, run_dir, resume=earlier == "unfinished", ranks=ranks)
 
 
-def chosen_options(override) -> list[str]:
-    """The options a config-group override (parsed by Hydra) names: its value, each item of a list, each value of
-    a choice or range sweep; none for a deletion, null, or a glob (Hydra matches it against the options)."""
-    from hydra.errors import HydraException
-
-    if override.is_sweep_override():
-        try:
-            return list(override.sweep_string_iterator())
-        except HydraException:  # glob(...) needs Hydra's config loader; intervals are not options
-            return []
-    value = override.value()
-    return [str(item) for item in (value if isinstance(value, list) else [value]) if item not in (None, "")]
+# ------------------------------------------------------------------------------------------------ before Hydra
 
 
-def check_group_overrides(args: list[str]) -> None:
-    """`group=option` arguments name existing options (Hydra's own message spans many lines). Arguments Hydra's
-    override grammar does not read (flags, bad syntax) are left to `check_arguments`."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
+def check_arguments(args: list[str]) -> None:
+    """Every job that `args` describe composes into settings (the first job of each combination of config-group
+    choices, a sweep file's included); raises ConfigError with one line otherwise."""
+    if any(a.startswith("-") and a not in RUN_FLAGS for a in args):
+        return  # --cfg, --info, -cn ...: Hydra's own modes
+    overrides = [a for a in args if a not in RUN_FLAGS]
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    for arg in overrides:
+        if not multirun and parse(arg).is_sweep_override():
+            raise ConfigError(f"{arg}: a sweep of values in a single run; expected tcal -m ... to run one job "
+                              f"per value, or {arg.split('=', 1)[0]}=[...] for a list")
+    with hydra_configs():
+        defaults = None
+        jobs = planned_jobs(overrides) if multirun else [overrides]
+        for job in one_job_per_group_choice(jobs):
+            place = job_place(job, overrides)
+            try:
+                cfg = compose_here(job)
+                settings = run_settings(cfg)
+                check_output_folders(settings, overrides)
+                if settings.resume:
+                    defaults = defaults or run_settings(compose_here([]))
+                    resumed(settings, defaults, job)
+            except ConfigError as err:
+                raise type(err)(f"{err}{place}") from None
 
-    parser = OverridesParser.create()
-    for arg in args:
-        try:
-            (override,) = parser.parse_overrides([arg])
-        except HydraException:
+
+def job_place(job: list[str], args: list[str]) -> str:
+    """` (in the job with stage=distill)` when `job` is one of several a sweep of config groups makes."""
+    groups = [a for a in job if a not in args and group_options(a.split("=", 1)[0]) is not None]
+    return f" (in the job with {' '.join(groups)})" if groups else ""
+
+
+def check_output_folders(settings: RunSettings, args: list[str]) -> None:
+    """The folders a job writes (paths.output_dir, hydra.run.dir / hydra.sweep.dir as given, resume) have no file
+    in their way, found before Hydra makes them (its own error is a traceback)."""
+    given = [(a.split("=", 1)[0].lstrip("+"), a.split("=", 1)[1]) for a in args if "=" in a]
+    folders = [("paths.output_dir", settings.paths.output_dir)] + [(k, v) for k, v in given if k in OUTPUT_KEYS]
+    for key, value in folders:
+        literal = value.split("${", 1)[0].rstrip("/")  # the part before any interpolation (a date) is known now
+        if not literal:
             continue
-        key = override.key_or_group
-        options = None if key.startswith("hydra") else group_options(key)
-        for option in chosen_options(override) if options is not None else []:
-            if option not in options:
-                raise ConfigError(f"{key}={option!r}: no such option in config group {key!r}; "
-                                  f"expected one of {', '.join(options)}")
+        blocker = in_the_way(Path(literal))
+        if key == "resume" and blocker == Path(literal):
+            raise ConfigError(f"resume={value!r} is a file; expected a run folder of `tcal`")
+        if blocker is not None and (blocker != Path(literal) or "${" not in value or key == "resume"):
+            raise ConfigError(f"{key}={value!r}: {blocker} is a file; expected a folder there")
+
+
+# ------------------------------------------------------------------------------------------------ exits
 
 
 def config_error_exit(err: Exception) -> None:
@@ -137,18 +186,27 @@ def interrupted_exit(err: Interrupted) -> None:
     sys.exit(err.exit_code)
 
 
+# ------------------------------------------------------------------------------------------------ the entry
+
+
+def default_settings() -> RunSettings:
+    """The settings no override composes, in the running Hydra job."""
+    from hydra import compose
+
+    return run_settings(compose(config_name="config"))
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 @handling
 def hydra_main(cfg) -> None:
     from tcal.rank import RankFailed
-    from tcal.validate import validate_config
     run_dir = Path(cfg.resume or HydraConfig.get().runtime.output_dir)
     try:
         with sweep_job(cfg, run_dir):
-            if cfg.get("resume"):
-                cfg = resumed_config(run_dir, cfg, HydraConfig.get().overrides.task)
-            validate_config(cfg)  # before any rank starts
-            run_in(cfg, run_dir)
+            settings = run_settings(cfg)
+            if settings.resume:
+                settings = resumed(settings, default_settings(), list(HydraConfig.get().overrides.task))
+            run_in(settings, run_dir)
     except ConfigError as err:
         config_error_exit(err)
     except (Divergence, RankFailed, WriteFailed) as err:
@@ -161,7 +219,6 @@ def hydra_main(cfg) -> None:
 def main() -> None:
     """The `tcal` console script."""
     try:
-        check_group_overrides(sys.argv[1:])
         check_arguments(sys.argv[1:])
     except ConfigError as err:
         config_error_exit(err)

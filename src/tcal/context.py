@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tcal.config import RunSettings
+from tcal.settings import RunSettings
 from tcal.data import Splits
 from tcal.distributed import Ranks
 

@@ -11,14 +11,14 @@ import logging
 
 import torch
 
-from tcal.config import derived_seed
+from tcal.settings import derived_seed
 from tcal.gdn import GatedDeltaNet
 from tcal.hybrid import LINEAR, HybridConfig, HybridForCausalLM, teacher_layer_types
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
 
-GQA_EXPANSIONS = ("whole_head", "row_repeat")
+from tcal.settings.init import GQA_EXPANSIONS  # noqa: E402 - the names live with the settings
 
 
 def validate_keep_layers(keep_layers, num_layers: int) -> list[int]:

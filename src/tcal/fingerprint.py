@@ -7,14 +7,11 @@ import hashlib
 import json
 
 import torch
-from omegaconf import OmegaConf
 
 
 def plain(node) -> dict:
-    """Settings (a dataclass of `tcal.config`, a config node or a mapping) as a plain dict, interpolations resolved."""
-    if dataclasses.is_dataclass(node):
-        return dataclasses.asdict(node)
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    """Settings (a dataclass of `tcal.settings`, or a mapping) as a plain dict."""
+    return dataclasses.asdict(node) if dataclasses.is_dataclass(node) else dict(node)
 
 
 DIGEST_CHUNK_ELEMENTS = 1 << 24  # 64 MB of float32 at a time: a tensor is hashed piece by piece

@@ -1,9 +1,9 @@
 """One run: teacher -> keep list -> student -> init -> training stages -> eval -> export (docs/method.md, section
 "One run").
 
-`run(cfg, run_dir)` is what the `tcal` entry calls; tests call it with composed configs. It converts the config
-into typed settings (`tcal.config.RunSettings`) and runs the steps of the Python API (`tcal.api`). Bad settings fail
-before anything is written; results.json is rewritten atomically after each step ("status" says how far
+`run(settings, run_dir)` is what the `tcal` entry calls with the settings it converted (`tcal.settings`); it runs
+the steps of the Python API (`tcal.api`). What the settings need of the machine, the files and the teacher is
+checked once before anything is written (`tcal.preflight`); results.json is rewritten atomically after each step ("status" says how far
 the run got) and at every curve point, so a crash leaves a readable record. With `stage=none` the evaluation
 is zero-shot. A multi-device run starts its ranks first (`tcal.distributed`); every rank then holds the teacher
 and the student on its own device, the per-layer work is split across ranks, the evaluations are Lightning
@@ -20,22 +20,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
-
 from tcal import api
-from tcal.config import run_settings
 from tcal.context import RunContext
 from tcal.distributed import Ranks
 from tcal.evaluate.suite import format_table
 from tcal.fingerprint import weights_digest
 from tcal.gdn import kernel_path
+from tcal.preflight import check_loaded, check_machine
 from tcal.record import RESULTS, new_record, read_record, records_failure, write_record
 from tcal.rerun import check_checkpoints, holds_folder
-from tcal.signals import handling
 from tcal.results import check_folder_target
+from tcal.settings import RunSettings
+from tcal.signals import handling
 from tcal.tracking import finish, log_figures, make_logger
-from tcal.training.run import is_mixed, plan_stages, run_stage
-from tcal.validate import validate_config, validate_loaded
+from tcal.training.run import plan_stages
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +45,8 @@ def timed(timings: dict, step: str):
     timings[step] = round(time.perf_counter() - start, 3)
 
 
-def prepare(cfg, run_dir: Path, timings: dict, ranks: Ranks | None = None) -> RunContext:
-    """The composed config's settings, its teacher (on this rank's device) and its splits."""
-    settings = run_settings(cfg)
+def prepare(settings: RunSettings, run_dir: Path, timings: dict, ranks: Ranks | None = None) -> RunContext:
+    """The run's teacher (on this rank's device) and its splits."""
     torch.manual_seed(int(settings.seed))
     torch.set_flush_denormal(True)  # strongly decaying GDN states underflow; denormals slow CPU math ~10x
     if settings.eval.harness.name == "paper":
@@ -58,36 +55,34 @@ def prepare(cfg, run_dir: Path, timings: dict, ranks: Ranks | None = None) -> Ru
         check_paper_tasks_available()  # fail before any work when the dataset hub is unreachable
     ranks = ranks or Ranks()
     with timed(timings, "load_teacher"):
-        teacher = api.load_teacher(settings.teacher, cfg.paths.cache_dir, ranks.device)
+        teacher = api.load_teacher(settings.teacher, settings.paths.cache_dir, ranks.device)
     with timed(timings, "load_data"):
         splits = api.load_data(settings.data)
-    return RunContext(settings, teacher.model, teacher.tokenizer, splits, Path(cfg.paths.cache_dir), Path(run_dir),
-                      ranks=ranks)
+    return RunContext(settings, teacher.model, teacher.tokenizer, splits, Path(settings.paths.cache_dir),
+                      Path(run_dir), ranks=ranks)
 
 
 @records_failure
 @handling
 @holds_folder
-def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None = None,
+def run(settings: RunSettings, run_dir: str | Path, resume: bool = False, callbacks: list | None = None,
         ranks: Ranks | None = None) -> dict:
     """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint. `ranks`: this
     process's place among the run's launched processes (`tcal.distributed.launch`); None is one process."""
     run_dir = Path(run_dir)
     ranks = ranks or Ranks()
     with ranks.together():  # a refusal or a failed load on any rank stops every rank with the same error
-        validate_config(cfg)
-        if cfg.save_student:
+        check_machine(settings)
+        if settings.save_student:
             check_folder_target(run_dir / "student")  # a `student/` tcal did not write is refused before any work
         if resume:
             check_checkpoints(run_dir)  # a damaged one is named before any work
         timings: dict[str, float] = {}
-        ctx = prepare(cfg, run_dir, timings, ranks)
-        validate_loaded(ctx)
-        ctx.extra_callbacks = list(callbacks or [])
+        ctx = prepare(settings, run_dir, timings, ranks)
+        check_loaded(ctx)
         with timed(timings, "load_training_data"):
-            plans = plan_stages(ctx)
+            plans = plan_stages(ctx)  # a training split too short for one sequence fails here, before any work
     writer = ctx.ranks.is_main
-    settings = ctx.settings
     teacher = api.Teacher(ctx.teacher, ctx.tokenizer, settings.teacher)
     with timed(timings, "retention"):
         selection = api.select_layers(teacher, ctx.splits, settings.retention, settings.init, settings.calibration,
@@ -97,10 +92,11 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
         student.to(ctx.device)
     device = ctx.device
     results = new_record(
-        teacher=cfg.teacher.name, num_layers=ctx.num_layers, retention=cfg.retention.name,
-        ratio=cfg.retention.get("ratio"), keep_layers=selection.keep_layers, retention_scores=selection.scores,
-        init_mode=cfg.init.name, gqa_expansion=cfg.init.gqa_expansion, stage=cfg.stage.name,
-        kernel_path=kernel_path(device), config=OmegaConf.to_container(cfg, resolve=True), timings=timings)
+        teacher=settings.teacher.name, num_layers=ctx.num_layers, retention=settings.retention.name,
+        ratio=getattr(settings.retention, "ratio", None), keep_layers=selection.keep_layers,
+        retention_scores=selection.scores, init_mode=settings.init.name, gqa_expansion=settings.init.gqa_expansion,
+        stage=settings.stage.label(), kernel_path=kernel_path(device), config=settings.tree(),
+        timings=timings)
     if selection.details:
         results["retention_details"] = selection.details
     results_path = run_dir / RESULTS
@@ -111,7 +107,7 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
             write_record(results_path, results, earlier)
 
     save_results()
-    log.info("keep layers (%s): %s; GDN kernel path: %s", cfg.retention.name, selection.keep_layers, kernel_path(device))
+    log.info("keep layers (%s): %s; GDN kernel path: %s", settings.retention.name, selection.keep_layers, kernel_path(device))
 
     with timed(timings, "init"):
         results["calibration"] = api.initialize(student, teacher, ctx.splits, settings.init, settings.calibration,
@@ -120,25 +116,28 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
     results["status"] = "initialized"
     save_results()
 
-    logger = make_logger(cfg, run_dir)
+    logger = make_logger(settings, run_dir)
     tokens_seen = 0
-    if plans and is_mixed(cfg.trainer.precision) and student.dtype != torch.float32:
-        log.info("trainer.precision=%s: the student trains on float32 weights (it was %s); compute is autocast",
-                 cfg.trainer.precision, student.dtype)
-        student.float()
-    for plan in plans:
-        def on_curve(curve, kind=plan.kind):
+    if plans:
+        def on_curve(kind: str, curve: dict) -> None:
             results.setdefault("stages", {}).setdefault(kind, {})["curve"] = curve
             results["curve"] = curve
             save_results()
 
-        with timed(timings, f"stage_{plan.kind}"):
-            record, student = run_stage(plan, ctx, student, logger, on_curve, resume)
-        results.setdefault("stages", {})[plan.kind] = record
-        results["curve"] = record["curve"]
-        results["status"] = f"trained_{plan.kind}"
-        tokens_seen = record["tokens_seen"]
-        save_results()
+        def on_stage(kind: str, record: dict, seconds: float) -> None:
+            nonlocal tokens_seen
+            timings[f"stage_{kind}"] = seconds
+            results.setdefault("stages", {})[kind] = record
+            results["curve"] = record["curve"]
+            results["status"] = f"trained_{kind}"
+            tokens_seen = record["tokens_seen"]
+            save_results()
+
+        progress = api.StageProgress(resume=resume, logger=logger, callbacks=list(callbacks or []),
+                                     on_curve=on_curve, on_stage=on_stage)
+        student, _ = api.distill(student, teacher, ctx.splits, settings.stage, eval=settings.eval,
+                                 data=settings.data, trainer=settings.trainer, seed=settings.seed, run_dir=run_dir,
+                                 cache_dir=ctx.cache_dir, ranks=ctx.ranks, progress=progress)
 
     student.eval()
     log.info("final evaluation: %s", ", ".join(n for n in ("perplexity", settings.eval.harness.name != "none" and
@@ -152,7 +151,7 @@ def run(cfg, run_dir: str | Path, resume: bool = False, callbacks: list | None =
     print(format_table(results), flush=True)
     log_figures(logger, {"eval": {k: results[k] for k in ("metrics", "harness", "ruler") if k in results}}, tokens_seen)
     finish(logger)
-    if cfg.save_student:
+    if settings.save_student:
         with timed(timings, "save"):
             api.save(student, ctx.tokenizer, run_dir / "student")
         results["student_path"] = str(run_dir / "student")

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import math
 import sys
@@ -47,7 +46,6 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tcal.errors import ConfigError
@@ -322,24 +320,24 @@ class Model:
         return self.teacher_config.vocab_size
 
 
-def build_model(cfg, keep_layers: list[int]) -> Model:
+def build_model(settings, keep_layers: list[int]) -> Model:
     from tcal.convert import meta_student
     from tcal.teachers.load import meta_model, parameter_count, teacher_architecture
 
-    config = teacher_architecture(cfg.teacher, cfg.paths.cache_dir)
+    config = teacher_architecture(settings.teacher, settings.paths.cache_dir)
     teacher = meta_model(config)
     student = meta_student(config, keep_layers)
     gdn = sum(p.numel() for i in student.config.gdn_layers for p in student.gdn(i).parameters())
     return Model(config, parameter_count(teacher), student, parameter_count(student), keep_layers, gdn)
 
 
-def retention_plan(cfg, num_layers: int) -> dict:
+def retention_plan(settings, num_layers: int) -> dict:
     """The kept layers: computed for `uniform` and `explicit`; for scored policies only their count is known
     before the real teacher is scored (the plan counts them at uniform positions: every layer has the same size)."""
     from tcal.retention import num_kept
     from tcal.retention.uniform import uniform_layers
 
-    ret = cfg.retention
+    ret = settings.retention
     if ret.name == "explicit":
         keep = sorted(int(i) for i in ret.keep)
         return {"policy": "explicit", "keep_layers": keep, "kept": len(keep), "scored": False}
@@ -391,9 +389,9 @@ class StageMemory:
 
 
 def checkpointing_of(node) -> str:
-    if node.get("activation_checkpointing", False):
+    if node.activation_checkpointing:
         return "activation_checkpointing"
-    return "checkpoint_mixers" if node.get("checkpoint_mixers", False) else "none"
+    return "checkpoint_mixers" if node.checkpoint_mixers else "none"
 
 
 def decoder_activations(trace: LayerTrace, n_kept: int, n_gdn: int) -> dict[str, int]:
@@ -459,13 +457,13 @@ def fsdp_gathered(student, kind: str, state: StateBytes) -> int:
     return 2 * max(units) * unit_bytes
 
 
-def stage_memory(kind: str, node, cfg, model: Model, world: int, device_type: str) -> StageMemory:
+def stage_memory(kind: str, node, settings, model: Model, world: int, device_type: str) -> StageMemory:
     """Per-device memory of Stage 1 (`align`) or Stage 2 (`distill`) under the run's trainer."""
-    trainer = cfg.trainer
+    trainer = settings.trainer
     precision = Precision.parse(trainer.precision)
     strategy = Strategy.parse(trainer.strategy)
     state = strategy.state_bytes(precision)
-    teacher_dtype_name = (node.get("teacher_dtype") if kind == "distill" else None) or cfg.teacher.dtype
+    teacher_dtype_name = (node.teacher_dtype if kind == "distill" else None) or settings.teacher.dtype
     teacher_dtype = getattr(torch, str(teacher_dtype_name))
     # Under autocast the residual stream, the norms and the GDN's recurrence stay float32 and only matmul outputs
     # are in the compute dtype: tracing the float32 student bounds what autograd keeps from above.
@@ -488,14 +486,14 @@ def stage_memory(kind: str, node, cfg, model: Model, world: int, device_type: st
         captured = 2 * n_gdn * batch * seq_len * model.hidden_size * dtype_bytes(teacher_dtype)
         activations = {"none": captured + n_gdn * (mixer + loss), "checkpoint_mixers": captured + n_gdn * loss + mixer}
         kl = 0
-    tokens_per_step = batch * seq_len * world
+    steps = node.steps(world)
     notes = [n for n in (strategy.note, state.note) if n]
     if state.autocast_copy:
         notes.append("activations traced in float32 (an upper bound under autocast: matmul outputs are in the "
                      "compute dtype there)")
     checkpointing = checkpointing_of(node)
     if kind == "align":
-        checkpointing = "checkpoint_mixers" if node.get("checkpoint_mixers", False) else "none"
+        checkpointing = "checkpoint_mixers" if node.checkpoint_mixers else "none"
         notes.append("activations: the teacher's captured GDN inputs and attention outputs, and every GDN's "
                      "alignment loss (activation_checkpointing does not apply: the student's decoder does not run)")
     return StageMemory(
@@ -508,8 +506,8 @@ def stage_memory(kind: str, node, cfg, model: Model, world: int, device_type: st
         gathered=fsdp_gathered(student, kind, state) if strategy.per_layer_units and world > 1 else 0,
         activations=activations, checkpointing=checkpointing, kl=kl, notes=notes,
         settings={"strategy": strategy.name, "precision": precision.name, "world_size": world,
-                  "batch_per_rank": [batch, seq_len], "tokens_per_step": tokens_per_step,
-                  "steps": int(node.max_tokens) // tokens_per_step, "trainable_params": trainable,
+                  "batch_per_rank": [batch, seq_len], "tokens_per_step": steps.tokens_per_step,
+                  "steps": steps.total, "trainable_params": trainable,
                   "teacher_dtype": str(teacher_dtype_name)})
 
 
@@ -527,19 +525,19 @@ class CalibrationWork:
     layers_at_once: int
 
 
-def calibration_work(cfg, n_gdn: int) -> CalibrationWork | None:
+def calibration_work(settings, n_gdn: int) -> CalibrationWork | None:
     """`init=full_plus`: its pool (`init.pool.tokens` in windows of `calibration.seq_len`, `init.phase2.batch_size`);
     `phase1` / `phase2` / `full`: the calibration batch and its held-out check windows (`calibration.*`); None for
     inits that do not calibrate."""
     from tcal.calibration.pool import pool_windows
 
-    init, cal = cfg.init, cfg.calibration
+    init, cal = settings.init, settings.calibration
     if init.name == "full_plus":
         pool = init.pool
         windows = pool_windows(int(pool.tokens), int(cal.seq_len))
         return CalibrationWork(int(cal.seq_len), windows, windows - windows // int(pool.held_out_every), windows,
-                               int(init.phase2.batch_size), True, int(pool.get("layers_per_pass") or n_gdn))
-    phases = list(init.get("phases") or [])
+                               int(init.phase2.batch_size), True, int(pool.layers_per_pass or n_gdn))
+    phases = list(getattr(init, "phases", None) or [])
     if not phases:
         return None
     windows = int(cal.batch_size)
@@ -547,7 +545,7 @@ def calibration_work(cfg, n_gdn: int) -> CalibrationWork | None:
     return CalibrationWork(int(cal.seq_len), windows + check, windows, windows, windows, "phase2" in phases, n_gdn)
 
 
-def calibration_memory(cfg, model: Model, device_type: str) -> StageMemory:
+def calibration_memory(settings, model: Model, device_type: str) -> StageMemory:
     """Per-device memory of the init: teacher and student in `teacher.dtype`, and the larger of the teacher's
     statistics forward (an estimate: one layer's MLP and residual tensors and the blockwise attention scores) and
     Phase 2 of one layer (its teacher-forced tensors on the device, the layer trained in float32 with AdamW and a
@@ -555,9 +553,9 @@ def calibration_memory(cfg, model: Model, device_type: str) -> StageMemory:
     from tcal.convert import meta_student
 
     config = model.teacher_config
-    teacher_bytes = dtype_bytes(getattr(torch, str(cfg.teacher.dtype)))
+    teacher_bytes = dtype_bytes(getattr(torch, str(settings.teacher.dtype)))
     gdn_layers = model.student.config.gdn_layers
-    work = calibration_work(cfg, len(gdn_layers)) if gdn_layers else None
+    work = calibration_work(settings, len(gdn_layers)) if gdn_layers else None
     host = forward = phase2 = 0
     if work is not None:
         D = model.hidden_size
@@ -566,7 +564,7 @@ def calibration_memory(cfg, model: Model, device_type: str) -> StageMemory:
         tokens = work.forward_windows * work.seq_len
         forward = (tokens * (3 * config.intermediate_size + 4 * D) * teacher_bytes
                    + 2 * work.forward_windows * config.num_attention_heads
-                   * min(int(cfg.calibration.block_size), work.seq_len) * work.seq_len * 4)
+                   * min(int(settings.calibration.block_size), work.seq_len) * work.seq_len * 4)
     if work is not None and work.phase2:
         gdn = meta_student(config, model.keep_layers).gdn(gdn_layers[0]).train()
         mixer, loss = trace_alignment(gdn, work.step_windows, work.seq_len, torch.float32, device_type)
@@ -576,16 +574,17 @@ def calibration_memory(cfg, model: Model, device_type: str) -> StageMemory:
     memory = StageMemory(weights=model.student_params * teacher_bytes, gradients=0, optimizer=0,
                          teacher=model.teacher_params * teacher_bytes, buffers=0,
                          activations={"none": max(forward, phase2)}, checkpointing="none",
-                         settings={"init": cfg.init.name, "teacher_dtype": str(cfg.teacher.dtype),
+                         settings={"init": settings.init.name, "teacher_dtype": str(settings.teacher.dtype),
                                    "calibration_tokens": work.stats_windows * work.seq_len if work else 0,
                                    "host_gb": round(host / GB, 2)})
     memory.notes.append("activations: the larger of the teacher's statistics forward and one layer's Phase 2")
-    if cfg.retention.name in ("ar", "ga_s2"):
-        memory.notes.append(f"retention={cfg.retention.name} first scores the layers on the real teacher (not planned)")
+    if settings.retention.name in ("ar", "ga_s2", "recall"):
+        memory.notes.append(f"retention={settings.retention.name} first scores the layers on the real teacher (not "
+                            f"planned)")
     return memory
 
 
-def host_plan(cfg, model: Model, stages: dict, world: int, headroom_gb: float) -> dict:
+def host_plan(settings, model: Model, stages: dict, world: int, headroom_gb: float) -> dict:
     """Host memory of a node of `world` ranks (each rank one process), and what a SLURM job asks for it.
 
     A rank holds at most one of these at a time: the teacher as loaded (its weights in `teacher.dtype` on the host
@@ -593,9 +592,9 @@ def host_plan(cfg, model: Model, stages: dict, world: int, headroom_gb: float) -
     state dict for the export (float32: an upper bound). The student is built on the teacher's device on the meta
     device first (`convert.build_student`): no host copy. Each process adds PROCESS_HOST_GB. `slurm_mem_gb` is
     the node's sum plus the headroom, rounded up; `cpus_per_task` is HOST_CPUS_PER_RANK."""
-    teacher_load = model.teacher_params * dtype_bytes(getattr(torch, str(cfg.teacher.dtype)))
+    teacher_load = model.teacher_params * dtype_bytes(getattr(torch, str(settings.teacher.dtype)))
     statistics = int(stages["calibration"].settings["host_gb"] * GB)
-    export = model.student_params * 4 if cfg.get("save_student", True) else 0
+    export = model.student_params * 4 if settings.save_student else 0
     per_rank = max(teacher_load, statistics) + PROCESS_HOST_GB * GB
     rank0 = max(teacher_load, statistics, export) + PROCESS_HOST_GB * GB
     node = rank0 + (world - 1) * per_rank
@@ -606,44 +605,45 @@ def host_plan(cfg, model: Model, stages: dict, world: int, headroom_gb: float) -
                          "export_rank0": round(export / GB, 2), "process": PROCESS_HOST_GB}}
 
 
-def make_plan(cfg, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HEADROOM_GB) -> dict:
-    """The plan of a composed `tcal` config (see the module docstring) as one JSON-ready object. A stage fits when
+def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HEADROOM_GB) -> dict:
+    """The plan of a run's settings (see the module docstring) as one JSON-ready object. A stage fits when
     its peak plus `headroom_gb` (CUDA's context, the caching allocator's fragmentation, NCCL's buffers, kernels'
     workspaces: what the plan does not count) is at most `device_gb`."""
     from tcal.retention.uniform import uniform_layers
     from tcal.teachers.load import teacher_architecture
-    from tcal.training.run import stages_of, world_size
-    from tcal.validate import validate_plan
+    from tcal.distributed import world_size
+    from tcal.preflight import check_plan
 
     if headroom_gb < 0 or headroom_gb >= device_gb:
         raise ConfigError(f"--headroom-gb {headroom_gb:g}: expected 0 <= headroom < the device's {device_gb:g} GB")
-    validate_plan(cfg)
-    num_layers = teacher_architecture(cfg.teacher, cfg.paths.cache_dir).num_hidden_layers
-    retention = retention_plan(cfg, num_layers)
+    check_plan(settings)
+    num_layers = teacher_architecture(settings.teacher, settings.paths.cache_dir).num_hidden_layers
+    retention = retention_plan(settings, num_layers)
     keep = retention["keep_layers"] or uniform_layers(num_layers, retention["ratio"])
-    model = build_model(cfg, keep)
-    device_type = "cpu" if str(cfg.trainer.accelerator) == "cpu" else "cuda"
-    world = world_size(cfg.trainer)
-    stages = {"calibration": calibration_memory(cfg, model, device_type)}
-    stages.update({kind: stage_memory(kind, node, cfg, model, world, device_type)
-                   for kind, node, _ in stages_of(cfg.stage)})
+    model = build_model(settings, keep)
+    trainer = settings.trainer
+    device_type = "cpu" if str(trainer.accelerator) == "cpu" else "cuda"
+    world = world_size(trainer)
+    stages = {"calibration": calibration_memory(settings, model, device_type)}
+    stages.update({node.kind: stage_memory(node.kind, node, settings, model, world, device_type)
+                   for _, node in settings.stage.stages()})
     per_device = {kind: round(stages[kind].peak / GB, 2) if kind in stages else None
                   for kind in ("calibration", "align", "distill")}
     notes = []
-    if str(cfg.trainer.get("devices")) in ("-1", "auto") and str(cfg.trainer.accelerator) != "cpu":
-        notes.append(f"trainer.devices={cfg.trainer.devices} counts the GPUs visible here ({world} counted); "
+    if str(trainer.devices) in ("-1", "auto") and str(trainer.accelerator) != "cpu":
+        notes.append(f"trainer.devices={trainer.devices} counts the GPUs visible here ({world} counted); "
                      f"pass trainer.devices=N for the node's")
     return {
-        "teacher": cfg.teacher.name, "model_type": model.teacher_config.model_type,
+        "teacher": settings.teacher.name, "model_type": model.teacher_config.model_type,
         "teacher_params": model.teacher_params, "student_params": model.student_params,
         "gdn_params": model.gdn_params, "num_layers": num_layers,
         "retention": {**retention, "converted": num_layers - retention["kept"]},
-        "trainer": {"accelerator": str(cfg.trainer.accelerator), "devices": world, "precision": str(cfg.trainer.precision),
+        "trainer": {"accelerator": str(trainer.accelerator), "devices": world, "precision": str(trainer.precision),
                     "kernels": "fla + flash (CUDA)" if device_type == "cuda" else "torch chunk + flash (CPU)"},
         "device_gb": device_gb, "headroom_gb": headroom_gb, "per_device_gb": per_device,
         "fits": all(stage.fits(device_gb, headroom_gb) for stage in stages.values()),
         "stages": {kind: stage.as_dict(device_gb, headroom_gb) for kind, stage in stages.items()},
-        "host": host_plan(cfg, model, stages, world, headroom_gb),
+        "host": host_plan(settings, model, stages, world, headroom_gb),
         "notes": notes,
     }
 
@@ -730,90 +730,6 @@ def slurm_env(plans: list[dict]) -> str:
     return f"export TCAL_SLURM_MEM_GB={mem} TCAL_CPUS_PER_TASK={cpus} TCAL_GPUS_PER_NODE={gpus}"
 
 
-@contextlib.contextmanager
-def composed(overrides: list[str], return_hydra_config: bool = False):
-    """The config of `overrides`, composed by Hydra from the app's conf/ (with the `hydra` node when asked); a Hydra
-    or OmegaConf error, in composing or in the block, is a ConfigError."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from tcal.app import CONF_DIR
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose("config", overrides=overrides, return_hydra_config=return_hydra_config)
-        yield cfg
-    except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(" ".join(str(err).split())) from err
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def compose_config(overrides: list[str]):
-    """The `tcal` config of `overrides`, resolved; a bad override is a ConfigError."""
-    from tcal.app import check_group_overrides
-    from tcal.arguments import check_overridden_keys
-
-    check_group_overrides(overrides)
-    with composed(overrides) as cfg:
-        OmegaConf.resolve(cfg)
-        check_overridden_keys(cfg, overrides, overrides)
-    return cfg
-
-
-def expand_sweeps(overrides: list[str]) -> list[list[str]]:
-    """One override list per job, as `tcal -m` runs them: the command line's sweeps (`group=a,b`, `key=1,2`,
-    `choice(...)`) and those of a sweep file it names (`+sweep=zero_shot`: its `hydra.sweeper.params`, where the
-    command line does not set the key), expanded by Hydra's basic sweeper. A command line Hydra cannot read or
-    expand here (a glob) keeps its arguments, only its group sweeps expanded, so that composing it names the fault."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    parser = OverridesParser.create()
-    try:
-        parsed = parser.parse_overrides(overrides)
-        fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-        given = {o.get_key_element() for o in parsed}
-        params = [f"{key}={value}" for key, value in sweep_file_params(fixed).items()
-                  if key not in given and f"+{key}" not in given]
-        return [list(job) for job in BasicSweeper.split_arguments([*parser.parse_overrides(params), *parsed],
-                                                                  None)[0]]
-    except (HydraException, ConfigError):
-        return group_sweeps_expanded(overrides)
-
-
-def sweep_file_params(overrides: list[str]) -> dict:
-    """`hydra.sweeper.params` of the config `overrides` compose (empty when they name no sweep file)."""
-    with composed(overrides, return_hydra_config=True) as cfg:
-        params = cfg.hydra.sweeper.get("params")
-        return dict(OmegaConf.to_container(params)) if params else {}
-
-
-def group_sweeps_expanded(overrides: list[str]) -> list[list[str]]:
-    """Sweeps of config groups (`group=a,b`, `group=choice(a,b)`) expanded into one override list per combination;
-    every other argument, one Hydra's grammar cannot read included, kept as it is."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    from tcal.app import chosen_options, group_options
-
-    parser, choices = OverridesParser.create(), []
-    for arg in overrides:
-        try:
-            (override,) = parser.parse_overrides([arg])
-        except HydraException:
-            choices.append([arg])
-            continue
-        sweep = override.is_sweep_override() and group_options(override.key_or_group) is not None
-        values = chosen_options(override) if sweep else []
-        choices.append([f"{override.get_key_element()}={v}" for v in values] or [arg])
-    return [list(combo) for combo in itertools.product(*choices)]
-
-
 def label_of(overrides: list[str]) -> str:
     return " ".join(overrides) or "(defaults)"
 
@@ -821,6 +737,7 @@ def label_of(overrides: list[str]) -> str:
 def main(argv=None) -> None:
     """The `tcal-plan` console script."""
     from tcal.app import config_error_exit
+    from tcal.settings.compose import compose_here, hydra_configs, planned_jobs, run_settings
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for tcal (group=a,b plans each)")
@@ -835,8 +752,9 @@ def main(argv=None) -> None:
                              f"(default {DEFAULT_HEADROOM_GB:g})")
     args = parser.parse_args(argv)
     try:
-        runs = [(label_of(o), make_plan(compose_config(o), args.device_gb, args.headroom_gb))
-                for o in expand_sweeps(args.overrides)]
+        with hydra_configs():
+            runs = [(label_of(job), make_plan(run_settings(compose_here(job)), args.device_gb, args.headroom_gb))
+                    for job in planned_jobs(args.overrides)]
     except ConfigError as err:
         config_error_exit(err)
     if args.slurm_env:

@@ -1,8 +1,8 @@
 """The ranks of one job: started by the job's own process, one fresh set per job (`python -m tcal.rank SPEC`).
 
 A multi-device run that nothing else started ranks for (`tcal.distributed.starts_ranks`) runs like this: the
-job's process (a `tcal` run, or one job of `tcal -m`) validates the config and decides what its folder holds,
-once; then `run_ranks` writes the resolved config to a scratch file and starts one process per device, each
+job's process (a `tcal` run, or one job of `tcal -m`) converts its settings and decides what its folder holds,
+once; then `run_ranks` writes the settings to a scratch file and starts one process per device, each
 given RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK and MASTER_ADDR/MASTER_PORT (a free port per job). Lightning's
 default environment sees LOCAL_RANK and treats them as started from outside: it never relaunches the command,
 so a sweep runs once, in one sweep folder, with one folder per job.
@@ -75,20 +75,20 @@ def job_logging() -> dict | None:
             "verbose": OmegaConf.to_container(hydra.verbose) if OmegaConf.is_config(hydra.verbose) else hydra.verbose}
 
 
-def run_ranks(cfg, run_dir: Path, resume: bool) -> None:
-    """Run `cfg` in `run_dir` on the trainer's ranks, started here and waited for; raises the ranks' failure
-    (after marking the record failed: the rank that writes it may have been stopped before it could)."""
-    from omegaconf import OmegaConf
-
+def run_ranks(settings, run_dir: Path, resume: bool) -> None:
+    """Run `settings` (a `RunSettings`) in `run_dir` on the trainer's ranks, started here and waited for; raises
+    the ranks' failure (after marking the record failed: the rank that writes it may have been stopped before it
+    could)."""
     from tcal.distributed import world_size
     from tcal.errors import ConfigError
     from tcal.record import describe, record_failure
 
-    world = world_size(cfg.trainer)
-    address, port = meeting_point(int(cfg.trainer.num_nodes))
+    world = world_size(settings.trainer)
+    address, port = meeting_point(int(settings.trainer.num_nodes))
+    tree = settings.tree()
     with tempfile.TemporaryDirectory(prefix="tcal-ranks-") as scratch:
         spec = Path(scratch) / "job.json"
-        spec.write_text(json.dumps({"config": OmegaConf.to_yaml(cfg, resolve=True), "run_dir": str(run_dir),
+        spec.write_text(json.dumps({"config": tree, "run_dir": str(run_dir),
                                     "resume": bool(resume), "logging": job_logging(), "reports": scratch,
                                     "parent": os.getpid()}), encoding="utf-8")
         log.info("starting ranks 0-%d of %d (process group at %s:%d)", world - 1, world, address, port)
@@ -110,7 +110,7 @@ def run_ranks(cfg, run_dir: Path, resume: bool) -> None:
         if not failed:
             return
         error = first_error({rank: processes[rank].returncode for rank in failed}, Path(scratch))
-    if not isinstance(error, ConfigError) and record_failure(run_dir, error, cfg) is not None:
+    if not isinstance(error, ConfigError) and record_failure(run_dir, error, tree) is not None:
         log.error("run failed: %s (record: %s)", describe(error), Path(run_dir) / "results.json")
     raise error
 
@@ -205,13 +205,14 @@ def report(folder: Path, rank: int, error: Exception) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """One rank of a job: join the job's process group, run the job's config, report a failure to the job."""
+    """One rank of a job: join the job's process group, run the job's settings, report a failure to the job."""
     from hydra.core.utils import configure_log
     from omegaconf import OmegaConf
 
     from tcal.distributed import launch
     from tcal.errors import ConfigError, Divergence
     from tcal.record import describe
+    from tcal.settings.compose import run_settings
 
     spec = json.loads(Path((argv if argv is not None else sys.argv[1:])[0]).read_text(encoding="utf-8"))
     die_with_parent(int(spec["parent"]))
@@ -219,13 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     verbose = logging_spec["verbose"]
     configure_log(None if logging_spec["config"] is None else OmegaConf.create(logging_spec["config"]),
                   OmegaConf.create(verbose) if isinstance(verbose, list) else verbose)
-    cfg = OmegaConf.create(spec["config"])
-    OmegaConf.set_struct(cfg, True)  # as Hydra composes it: a misspelt key is an error, not None
+    settings = run_settings(spec["config"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
         from tcal.pipeline import run
 
-        run(cfg, Path(spec["run_dir"]), resume=bool(spec["resume"]), ranks=launch(cfg.trainer))
+        run(settings, Path(spec["run_dir"]), resume=bool(spec["resume"]), ranks=launch(settings.trainer))
     except (Interrupted, KeyboardInterrupt) as err:  # the record says so (tcal.record); the job's process exits
         interrupt = as_interrupt(err)
         log.warning("rank %d of %d stops: %s", rank, world, interrupt)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from omegaconf import OmegaConf
 
 from tcal.errors import ConfigError, FolderInUse
 from tcal.results import null_non_finite, write_json_atomic
@@ -378,9 +377,11 @@ def describe(err: BaseException) -> str:
     return f"{kind}: {text}" if text else kind
 
 
-def record_failure(run_dir: str | Path, err: BaseException, cfg=None, create: bool = False) -> Path | None:
+def record_failure(run_dir: str | Path, err: BaseException, config: dict | None = None,
+                   create: bool = False) -> Path | None:
     """Mark the record in `run_dir` failed with `err`, keeping everything it held; with `create`, write one (with
-    the config) when there is none. Returns its path, or None when nothing was written (and on ranks but 0)."""
+    `config`, the run's settings as a mapping) when there is none. Returns its path, or None when nothing was
+    written (and on ranks but 0)."""
     from tcal.distributed import is_rank_zero
 
     path = Path(run_dir) / RESULTS
@@ -388,11 +389,8 @@ def record_failure(run_dir: str | Path, err: BaseException, cfg=None, create: bo
     if record is None and not (create and is_rank_zero()):
         return None
     record = record or {"status": None}
-    if "config" not in record and cfg is not None:
-        try:
-            record["config"] = OmegaConf.to_container(cfg, resolve=True)
-        except Exception:  # noqa: BLE001 - a config that does not resolve is recorded without it
-            pass
+    if "config" not in record and config is not None:
+        record["config"] = config
     if record.get("status") != "failed":
         record["failed_after"] = record.get("status")
     record.update(status="failed", error=describe(err))
@@ -401,13 +399,13 @@ def record_failure(run_dir: str | Path, err: BaseException, cfg=None, create: bo
 
 
 def records_failure(run):
-    """Decorate `run(cfg, run_dir, ...)`: an error once the record exists (divergence, a crash, a signal: see
+    """Decorate `run(settings, run_dir, ...)`: an error once the record exists (divergence, a crash, a signal: see
     `tcal.signals`) marks it failed. A ConfigError leaves the record as it is (nothing was done, or a resume was
     refused)."""
     @functools.wraps(run)
-    def wrapper(cfg, run_dir, *args, **kwargs):
+    def wrapper(settings, run_dir, *args, **kwargs):
         try:
-            return run(cfg, run_dir, *args, **kwargs)
+            return run(settings, run_dir, *args, **kwargs)
         except ConfigError:
             raise
         except (Exception, KeyboardInterrupt, Interrupted) as err:
@@ -415,7 +413,8 @@ def records_failure(run):
             if ranks is not None and not ranks.is_main:
                 raise  # rank 0 writes the record
             try:
-                path = record_failure(run_dir, err, cfg, create=isinstance(err, (KeyboardInterrupt, Interrupted)))
+                path = record_failure(run_dir, err, settings.tree(),
+                                      create=isinstance(err, (KeyboardInterrupt, Interrupted)))
             except OSError as unwritten:  # a full disk: the error that stopped the run is the one to report
                 log.error("run failed: %s; its record could not be updated: %s", describe(err), unwritten)
                 raise err from None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import fnmatch
 import io
 import json
 import math
@@ -24,9 +23,7 @@ from pathlib import Path
 
 from tcal.evaluate.local_tasks import nlu_average
 from tcal.record import RESULTS, RecordError, load_record
-from tcal.rerun import differing_keys
 from tcal.results import write_atomic, write_text_atomic
-from tcal.settings import leaf_items
 from tcal.tracking import finish, log_table, wandb_logger
 
 INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full", "full_plus")
@@ -91,6 +88,7 @@ class Run:
     tokens_trained: int = 0           # tokens seen over all its stages
     by_position: dict[str, list[dict]] = field(default_factory=dict)  # eval set -> buckets (results.json's)
     config: dict = field(default_factory=dict)  # the recorded settings, {"a.b": value}
+    result_keys: frozenset = frozenset()  # those of them that change the result
     variant: str = ""                 # the settings that tell it from runs of the same group, init and stage
     variant_keys: tuple[str, ...] = ()  # their keys ("calibration.seq_len", ...)
     ruler_cells: dict = field(default_factory=dict)  # role -> {(length, task): (exact match, examples)}
@@ -142,7 +140,7 @@ def _normalize(path: Path, data: dict) -> Run:
         by_position={name: [_position_bucket(b) for b in m["by_position"]] for name, m in metrics.items()
                      if m.get("by_position")},
         stage=data["stage"], tokens_trained=sum(r["tokens_seen"] for r in (data.get("stages") or {}).values()),
-        config=leaf_items(data.get("config") or {}),
+        config=flatten(data.get("config") or {}), result_keys=result_keys(data.get("config") or {}),
         ruler_cells={role: _ruler_cells(ruler, role, data.get("config") or {}) for role in ("teacher", "student")},
         keep_layers=list(data["keep_layers"]), num_layers=int(data["teacher"]["num_layers"]),
         retention_details=data.get("retention_details") or {},
@@ -252,18 +250,40 @@ def collect(folder: Path) -> Collected:
     return found
 
 
-EVAL_ONLY = ("eval.*", "data.eval_files")  # settings that change the figures' data, not the student
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"a.b": value} of a nested mapping (lists and empty mappings are values)."""
+    items = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        items.update(flatten(value, path + ".") if isinstance(value, dict) and value else {path: value})
+    return items
+
+
+def result_keys(config: dict) -> frozenset:
+    """The keys of a recorded config whose settings change the result, as the settings' fields declare it
+    (`tcal.settings.fields`). A config this tcal cannot read as settings (an older record) is judged by today's
+    fields of the same keys; a key no field has counts as a result setting."""
+    from tcal.errors import ConfigError
+    from tcal.settings import RunSettings
+    from tcal.settings.compose import run_settings
+    from tcal.settings.relevance import levels
+
+    try:
+        known = levels(run_settings(config))
+    except (ConfigError, TypeError, ValueError):
+        known = levels(RunSettings())
+    return frozenset(key for key in flatten(config) if known.get(key, "result") == "result")
 
 
 def _name_variants(runs: list[Run]) -> None:
-    """Set each run's variant to its values of the settings that differ among `runs` (safe-on-resume and
-    evaluation-only settings aside), so no run of a sweep over such a setting hides another in the tables. Only
-    settings all of them recorded count: a record older than a setting holds no value for it."""
+    """Set each run's variant to its values of the result settings that differ among `runs` (settings that change
+    only the evaluation, or nothing, aside), so no run of a sweep over such a setting hides another in the tables.
+    Only settings all of them recorded count: a record older than a setting holds no value for it."""
     if len(runs) < 2:
         return
     common = set.intersection(*(set(run.config) for run in runs))
-    differing = sorted({key for run in runs[1:] for key, _, _ in differing_keys(runs[0].config, run.config, common)
-                        if not any(fnmatch.fnmatchcase(key, pattern) for pattern in EVAL_ONLY)})
+    counted = common & set.union(*(set(run.result_keys) for run in runs))
+    differing = sorted(key for key in counted if any(run.config.get(key) != runs[0].config.get(key) for run in runs))
     for run in runs:
         run.variant = ", ".join(f"{key}={_setting(run.config.get(key))}" for key in differing)
         run.variant_keys = tuple(differing)

@@ -9,44 +9,31 @@ checkpoints can be read.
   `.tcal-run.lock`, naming its pid and host, removed when it ends); a second run into it (the same command
   twice, a SLURM requeue while the old job lives) is refused with one line naming the holder, and writes nothing there. A hold left by
   a process that died is no hold: the next run takes it over.
-- Keys safe to change on resume (`SAFE_ON_RESUME`) do not change the result: where outputs and caches live,
-  whether caches are used, the metrics logger, whether the student is exported. A resume or rerun that changes
-  any other key of the recorded run is refused; the safe ones take their new values.
+- What may change when a run continues is declared on the settings' fields (`tcal.settings.fields`): a field
+  that changes nothing (where outputs and caches live, whether caches are used, the metrics logger, whether the
+  student is exported) takes the new value; a resume or rerun that changes any other setting of the recorded run
+  is refused, naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from tcal.errors import DamagedCheckpoint, FolderInUse
+from tcal.errors import ConfigError, DamagedCheckpoint, FolderInUse
 from tcal.locks import describe_holder, holder_of, locked
-from tcal.settings import group_options, leaf_items
+from tcal.settings import RunSettings
+from tcal.settings.relevance import differences, with_fields
 
-SAFE_ON_RESUME = ("resume", "task_name", "paths.*", "logger.*", "save_student", "*.cache", "*.cache_tokens")
 SHOWN = 4  # differing keys named in a message
 RUN_LOCK = ".tcal-run.lock"
+SAFE = "only settings that change nothing (paths, logger, save_student, task_name, cache switches)"
 
 
-def is_safe(key: str) -> bool:
-    return any(fnmatch.fnmatchcase(key, pattern) for pattern in SAFE_ON_RESUME)
-
-
-def differing_keys(recorded: dict, current: dict, keys=None) -> list[tuple[str, object, object]]:
-    """(key, recorded value, current value) of every key (of `keys`, default all) whose values differ and that is
-    not safe to change; a key missing on one side has the value None there."""
-    old, new = leaf_items(recorded), leaf_items(current)
-    keys = sorted(set(old) | set(new) if keys is None else keys)
-    return [(k, old.get(k), new.get(k)) for k in keys if not is_safe(k) and old.get(k) != new.get(k)]
-
-
-def describe(differences: list[tuple[str, object, object]]) -> str:
-    shown = ", ".join(f"{k}={new!r} (that run: {old!r})" for k, old, new in differences[:SHOWN])
-    more = len(differences) - SHOWN
+def describe(diffs: list[tuple[str, object, object]]) -> str:
+    shown = ", ".join(f"{k}={new!r} (that run: {old!r})" for k, old, new in diffs[:SHOWN])
+    more = len(diffs) - SHOWN
     return shown + (f" and {more} more" if more > 0 else "")
 
 
@@ -55,67 +42,46 @@ def holds_work(record: dict) -> bool:
     return not (record.get("status") == "failed" and record.get("failed_after") is None)
 
 
-def folder_state(run_dir: Path, record: dict | None, config: dict) -> str:
-    """What `run_dir` holds for `config` (resolved): "none" (nothing, or a record without work), "complete" or
-    "unfinished"; a run of another config there raises FolderInUse."""
-    if record is None or not holds_work(record) and record.get("config") != config:
+def recorded_settings(run_dir: Path, record: dict) -> RunSettings:
+    """The settings a record's run was started with; FolderInUse when they cannot be read (another tcal's)."""
+    from tcal.settings.compose import run_settings
+
+    try:
+        return run_settings(record.get("config") or {})
+    except ConfigError as err:
+        raise FolderInUse(f"{run_dir} holds a run whose settings this tcal cannot read ({err}); expected an empty "
+                          f"folder or one of this config: pass another hydra.run.dir / hydra.sweep.dir") from None
+
+
+def folder_state(run_dir: Path, record: dict | None, settings: RunSettings) -> str:
+    """What `run_dir` holds for `settings`: "none" (nothing, or a record without work), "complete" or
+    "unfinished"; a run of other settings there raises FolderInUse."""
+    if record is None or not holds_work(record) and record.get("config") != settings.tree():
         return "none"
-    differences = differing_keys(record.get("config") or {}, config)
-    if differences:
-        raise FolderInUse(f"{run_dir} holds a run of another config ({describe(differences)}); expected an empty "
+    diffs = differences(recorded_settings(run_dir, record), settings)
+    if diffs:
+        raise FolderInUse(f"{run_dir} holds a run of another config ({describe(diffs)}); expected an empty "
                           f"folder or one of this config: pass another hydra.run.dir / hydra.sweep.dir")
     return "complete" if record.get("status") == "complete" else "unfinished"
 
 
-def override_key(override: str) -> str | None:
-    """The key or group a command-line override names (`+a.b=1` -> a.b); None for Hydra's own settings."""
-    key = override.lstrip("+~").split("=", 1)[0].split("@")[0]
-    return None if key == "hydra" or key.startswith(("hydra.", "hydra/")) else key
-
-
-def selected_groups(overrides: list[str]) -> list[str]:
-    """The config groups (as dotted nodes) that `group=option` overrides select."""
-    keys = [override_key(o) for o in overrides]
-    return [k.replace("/", ".") for k in keys if k and group_options(k) is not None]
-
-
-def overridden_keys(overrides: list[str], cfg) -> set[str]:
-    """The keys of `cfg` that command-line `overrides` name: `key=value` names key; `group=option` names
-    the group's `name` (or all its keys)."""
-    keys = set()
-    for key in filter(None, map(override_key, overrides)):
-        dotted = key.replace("/", ".")
-        if group_options(key) is None:
-            keys.add(dotted)
-            continue
-        node = OmegaConf.select(cfg, dotted, default=None)
-        if OmegaConf.is_dict(node):
-            keys |= {f"{dotted}.name"} if "name" in node else {f"{dotted}.{k}" for k in leaf_items(
-                OmegaConf.to_container(node, resolve=True))}
-    return keys
-
-
-def resume_config(run_dir: Path, recorded, cfg, defaults, overrides: list[str]):
-    """The recorded config of the run in `run_dir`, with the safe overrides of this command applied. `cfg` is
-    the config this command composed, `defaults` the one without overrides: a key counts as overridden when the
-    command names it or when its value differs from the default (an experiment's keys; a group selected on the
-    command line counts by its name, not by its default values). Any other change is refused: a resumed run
-    continues with the settings it was started with."""
-    current = OmegaConf.to_container(cfg, resolve=True)
-    default = leaf_items(OmegaConf.to_container(defaults, resolve=True))
-    selected = tuple(f"{group}." for group in selected_groups(overrides))
-    touched = overridden_keys(overrides, cfg) | {k for k, v in leaf_items(current).items()
-                                                 if default.get(k) != v and not k.startswith(selected)}
-    recorded_values = OmegaConf.to_container(recorded, resolve=True)
-    differences = differing_keys(recorded_values, current, touched)
-    if differences:
-        raise FolderInUse(f"resume={run_dir}: the run was started with other settings ({describe(differences)}); "
-                          f"expected only keys safe to change on resume ({', '.join(SAFE_ON_RESUME)})")
-    current_values, old_values = leaf_items(current), leaf_items(recorded_values)
-    for key in sorted(touched):
-        if key in current_values and current_values[key] != old_values.get(key):
-            OmegaConf.update(recorded, key, current_values[key], force_add=True)
-    return recorded
+def resumed_settings(run_dir: Path, record: dict, current: RunSettings, defaults: RunSettings,
+                     chosen_groups: tuple[str, ...] = (), named: tuple[str, ...] = ()) -> RunSettings:
+    """The settings of the run recorded in `run_dir`, with this command's values of the settings that change
+    nothing. `current` is what this command composed and `defaults` what no override composes: a setting the
+    command changed from its default (an override, an experiment's key) to another value than the run's is
+    refused, since a resumed run continues with the settings it was started with. A config group the command
+    chooses (`chosen_groups`, dotted: `eval.harness`) counts by its option's name, not by that option's values;
+    a key the command sets (`named`) always counts."""
+    recorded = recorded_settings(run_dir, record)
+    inside = tuple(f"{group}." for group in chosen_groups)
+    changed = {key for key, _, _ in differences(defaults, current) if not key.startswith(inside)}
+    changed |= {f"{group}.name" for group in chosen_groups} | set(named)
+    diffs = [d for d in differences(recorded, current) if d[0] in changed]
+    if diffs:
+        raise FolderInUse(f"resume={run_dir}: the run was started with other settings ({describe(diffs)}); "
+                          f"expected {SAFE} to change on resume")
+    return with_fields(recorded, current)
 
 
 def checkpoint_progress(path: Path) -> dict:
@@ -141,24 +107,36 @@ def check_checkpoints(run_dir: Path) -> None:
         checkpoint_progress(path)
 
 
+_held: set[str] = set()  # the folders this process holds (a run holds its folder once, however deep its calls)
+
+
 @contextlib.contextmanager
 def holding_folder(run_dir: Path):
-    """Hold `run_dir` for this run; FolderInUse naming the holder when a live run holds it."""
+    """Hold `run_dir` for this run; FolderInUse naming the holder when a live run holds it. Within a hold of this
+    process (the pipeline's, around the library's `distill`) the folder is held already."""
+    key = str(Path(run_dir).resolve())
+    if key in _held:
+        yield
+        return
     lock = Path(run_dir) / RUN_LOCK
     with locked(lock, wait=False, remove=True) as held:
         if not held:
             raise FolderInUse(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one "
                               f"run per folder: wait for it to end or stop it, or pass another hydra.run.dir / "
                               f"hydra.sweep.dir")
-        yield
+        _held.add(key)
+        try:
+            yield
+        finally:
+            _held.discard(key)
 
 
 def holds_folder(run):
-    """Decorate `run(cfg, run_dir, ..., ranks=None)`: rank 0 holds `run_dir` while the run works."""
+    """Decorate `run(settings, run_dir, ..., ranks=None)`: rank 0 holds `run_dir` while the run works."""
     @functools.wraps(run)
-    def wrapper(cfg, run_dir, *args, **kwargs):
+    def wrapper(settings, run_dir, *args, **kwargs):
         ranks = kwargs.get("ranks")
         with holding_folder(Path(run_dir)) if ranks is None or ranks.is_main else contextlib.nullcontext():
-            return run(cfg, run_dir, *args, **kwargs)
+            return run(settings, run_dir, *args, **kwargs)
 
     return wrapper

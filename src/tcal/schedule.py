@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-SCHEDULES = ("constant", "cosine")
+from tcal.settings.init import SCHEDULES  # noqa: E402 - the names live with the settings
 
 
 def lr_factor(name: str, total_steps: int, min_lr_ratio: float = 0.0,

@@ -52,7 +52,7 @@ def record_job_failure(cfg, run_dir: Path, err: BaseException) -> None:
     from tcal.signals import as_interrupt
 
     if not (Path(run_dir) / RESULTS).exists():
-        record_failure(run_dir, err, cfg, create=True)
+        record_failure(run_dir, err, job_config(cfg), create=True)
     if isinstance(err, (ConfigError, Divergence, RankFailed)) or as_interrupt(err):  # a failed rank logged its own traceback
         log.error("job failed: %s", describe(err))
     else:
@@ -62,6 +62,22 @@ def record_job_failure(cfg, run_dir: Path, err: BaseException) -> None:
     hydra = HydraConfig.get()
     add_failure_lines(Path(hydra.sweep.dir), [{"job": hydra.job.num, "overrides": list(hydra.overrides.task),
                                                "folder": str(run_dir), "error": describe(err)}])
+
+
+def job_config(cfg) -> dict | None:
+    """What a failed job's record holds as its config: its settings, else its composed config as it resolves
+    (a job refused for a bad setting has no settings), else nothing."""
+    from omegaconf import OmegaConf
+
+    from tcal.settings.compose import run_settings
+
+    try:
+        return run_settings(cfg).tree()
+    except Exception:  # noqa: BLE001 - the job failed for it; its record says why
+        try:
+            return OmegaConf.to_container(cfg, resolve=True)
+        except Exception:  # noqa: BLE001 - a config that does not resolve is recorded without it
+            return None
 
 
 def record_sweep_interrupt(err: BaseException, run_dir: Path) -> None:
@@ -123,18 +139,16 @@ def interrupted_lines(err) -> list[str]:
 def planned_jobs(config) -> list[list[str]]:
     """Every job's overrides, in the order Hydra's basic launcher runs them in this process (the sweeper's own
     expansion); none for another launcher or sweeper, or a sweep it cannot expand here (a glob)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+
+    from tcal.settings.compose import sweep_jobs
 
     hydra = config.hydra
     if not str(hydra.sweeper.get("_target_", "")).endswith("BasicSweeper") or \
             not str(hydra.launcher.get("_target_", "")).endswith("BasicLauncher"):
         return []
-    params = [f"{key}={value}" for key, value in (hydra.sweeper.get("params") or {}).items()]
     try:
-        overrides = OverridesParser.create().parse_overrides([*params, *hydra.overrides.task])
-        return BasicSweeper.split_arguments(overrides, None)[0]
+        return sweep_jobs(list(hydra.overrides.task), dict(hydra.sweeper.get("params") or {}))
     except HydraException:
         return []
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from omegaconf import OmegaConf
 
 from tcal.results import write_text_atomic
 
@@ -102,17 +101,17 @@ def drop_rows_after(logger, kind: str, tokens: int | None) -> None:
         logger.experiment.drop_rows_after(kind, tokens)
 
 
-def make_logger(cfg, run_dir: Path):
-    """The Lightning logger named by `cfg.logger.name`, or None for `none`."""
-    name = cfg.logger.name
+def make_logger(settings, run_dir: Path):
+    """The Lightning logger `settings.logger` names (a `RunSettings`), or None for `none`."""
+    name = settings.logger.name
     if name == "none":
         return None
     if name == "csv":
         return ContinuedCSVLogger(save_dir=str(run_dir), name="logs", version="", flush_logs_every_n_steps=1)
     if name == "wandb":
-        tags = [cfg.teacher.name, cfg.retention.name, cfg.init.name, cfg.stage.name]
-        return wandb_logger(cfg.logger.project, run_dir, "-".join(tags), cfg.logger.get("group"), tags,
-                            OmegaConf.to_container(cfg, resolve=True))
+        tags = [settings.teacher.name, settings.retention.name, settings.init.name, settings.stage.label()]
+        return wandb_logger(settings.logger.project, run_dir, "-".join(tags), settings.logger.group, tags,
+                            settings.tree())
     raise ValueError(f"logger={name!r}; expected none, csv or wandb")
 
 

@@ -23,10 +23,11 @@ from tcal.data import between_windows, token_windows
 from tcal.distributed import Ranks
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 from tcal.gdn import GatedDeltaNet
+from tcal.settings.relevance import cache_settings
 
 log = logging.getLogger(__name__)
 
-PHASES = ("phase1", "phase2")
+from tcal.settings.init import PHASES  # noqa: E402 - the names live with the settings
 
 
 def calibration_batch(ctx, cfg) -> torch.Tensor:
@@ -144,15 +145,16 @@ def calibrate_split(todo: list[int], gdns: dict[int, GatedDeltaNet], ranks: Rank
 
 
 def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tensor, cfg, phases,
-                     store: ArtifactStore, check: torch.Tensor | None = None, ranks: Ranks | None = None
-                     ) -> dict[int, dict]:
+                     store: ArtifactStore, check: torch.Tensor | None = None, ranks: Ranks | None = None,
+                     key_settings: dict | None = None) -> dict[int, dict]:
     """Calibrate each GDN (in place) against the teacher layer of the same index; returns per-layer records.
     With `check` tokens, each record also gets the alignment loss and cosine on them before and after.
-    With several ranks each calibrates a share of the layers (`calibrate_shared`)."""
+    With several ranks each calibrates a share of the layers (`calibrate_shared`). Each layer's cache key holds
+    `key_settings` (a run's: every setting that changes a calibrated layer; by default the `cfg` given)."""
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
         raise ValueError(f"unknown calibration phases {unknown}; expected a subset of {PHASES}")
-    settings = plain(cfg)
+    settings = plain(cfg) if key_settings is None else key_settings
     keys = {i: artifact_key(teacher, i, phases, batch, settings, gdn, check) for i, gdn in gdns.items()}
 
     def calibrate_some(todo: list[int]) -> Iterator[tuple[int, dict]]:
@@ -196,5 +198,6 @@ def calibrate_gdns(gdns: dict[int, GatedDeltaNet], ctx, phases) -> dict:
     cfg = ctx.settings.calibration
     store = calibration_store(ctx)
     batch = calibration_batch(ctx, cfg)
-    records = calibrate_layers(ctx.teacher, gdns, batch, cfg, phases, store, check_batch(ctx, cfg), ctx.ranks)
+    records = calibrate_layers(ctx.teacher, gdns, batch, cfg, phases, store, check_batch(ctx, cfg), ctx.ranks,
+                               cache_settings("calibration", ctx.settings))
     return {"phases": list(phases), "calibration_tokens": batch.numel(), "layers": {str(i): r for i, r in records.items()}}

@@ -13,8 +13,7 @@ import string
 import torch
 from tqdm.auto import tqdm
 
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
-NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue")  # read one stated value back; the rest track
+from tcal.settings.evaluation import NEEDLE_TASKS, RULER_TASKS as TASKS  # noqa: E402 - names live with the settings
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 
 _ADJECTIVES = ("amber", "brisk", "calm", "dusky", "eager", "fallow", "gentle", "hollow", "idle", "jolly",

@@ -17,7 +17,8 @@ import torch
 from tcal.cache import get_or_build, json_codec
 from tcal.data import Document, eval_sets, token_windows
 from tcal.evaluate.validation import validate_windows
-from tcal.fingerprint import digest, plain, teacher_fingerprint, tokenizer_digest
+from tcal.fingerprint import digest, teacher_fingerprint, tokenizer_digest
+from tcal.settings.relevance import cache_settings
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,8 @@ def perplexities(ctx, student) -> dict:
     windows, settings = {}, {}
     for name, docs in eval_sets(ctx.settings.data, ctx.splits).items():
         windows[name] = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
-        settings[name] = {"docs": _docs_digest(docs), "seq_len": int(cfg.seq_len), "num_windows": int(cfg.num_windows),
-                          **precision_key(ctx)}
-        if buckets:
-            settings[name]["position_buckets"] = list(buckets)
+        settings[name] = {"docs": _docs_digest(docs),
+                          **cache_settings("ppl_by_position" if buckets else "ppl", ctx.settings)}
 
     def validate(model, names):
         return validate_windows(model, {n: windows[n] for n in names}, int(cfg.batch_size), ctx.settings.trainer,
@@ -95,7 +94,7 @@ def harness(ctx, student) -> dict | None:
         return None
     docs = ctx.splits.evaluation
     if cfg.name == "local":
-        folder = ctx.cache_dir / "local_tasks" / digest(_docs_digest(docs), int(cfg.seed), int(cfg.n_examples))
+        folder = ctx.cache_dir / "local_tasks" / digest(_docs_digest(docs), cache_settings("harness", ctx.settings))
         tasks = ctx.ranks.decide(lambda: local_tasks.build_local_tasks([d.text for d in docs], folder,
                                                                        int(cfg.seed), int(cfg.n_examples)))
         runs = [(tasks, None)]
@@ -116,7 +115,7 @@ def harness(ctx, student) -> dict | None:
                 out.update(figures or {})
         return out if ctx.ranks.is_main else None
 
-    settings = {**plain(cfg), "docs": _docs_digest(docs), **precision_key(ctx)}
+    settings = {"docs": _docs_digest(docs), **cache_settings("harness", ctx.settings)}
     teacher = cached_teacher(ctx, "harness", settings, lambda: run(ctx.teacher), collective=True)
     student_figures = run(student)
     return {"teacher": teacher, "student": student_figures} if ctx.ranks.is_main else None
@@ -138,7 +137,7 @@ def ruler(ctx, student) -> dict | None:
             return score_ruler(model, ctx.tokenizer, docs, tuple(cfg.lengths), tuple(cfg.tasks), int(cfg.n),
                                int(cfg.seed), desc=f"RULER {role}" if ctx.ranks.is_main else None, ranks=ctx.ranks)
 
-    settings = {**plain(cfg), "docs": _docs_digest(ctx.splits.evaluation), **precision_key(ctx)}
+    settings = {"docs": _docs_digest(ctx.splits.evaluation), **cache_settings("ruler", ctx.settings)}
     teacher = cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher, "teacher"), collective=True)
     scores = {"teacher": teacher, "student": run(student, "student")}
     n = {str(length): {task: int(cfg.n) for task in cfg.tasks} for length in cfg.lengths}
@@ -153,13 +152,6 @@ def in_run_precision(ctx):
     matmuls and GDN kernel inputs, float32 weights); nothing under `32-true` and the `-true` precisions."""
     dtype = AUTOCAST_DTYPES.get(str(ctx.settings.trainer.precision))
     return torch.autocast(ctx.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-
-def precision_key(ctx) -> dict:
-    """The precision in a cached teacher figure's settings when autocast changes it (none under 32-true, so the
-    float32 entries keep their keys)."""
-    precision = str(ctx.settings.trainer.precision)
-    return {"precision": precision} if precision in AUTOCAST_DTYPES else {}
 
 
 def evaluate(ctx, student) -> dict:

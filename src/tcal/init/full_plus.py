@@ -2,12 +2,10 @@
 rules and alignment objective as `full`, with the recipe the measurements support: the Phase 1 rules named in the
 config only, Phase 2 on minibatches of a calibration-split pool, the state kept by held-out loss."""
 
-import dataclasses
-
 from tcal.calibration.calibrate import calibration_store
 from tcal.calibration.pool import CalibrationPool, calibrate_on_pool, calibration_pool, pool_windows
-from tcal.fingerprint import plain
 from tcal.init import INIT_MODES
+from tcal.settings.relevance import cache_settings
 
 
 def pool_shape(cfg, seq_len: int) -> dict:
@@ -27,15 +25,11 @@ def full_plus_pool(ctx, cfg) -> CalibrationPool:
 @INIT_MODES.register("full_plus")
 def full_plus(gdns, cfg, ctx) -> dict:
     calibration = ctx.settings.calibration
-    phase1_cfg = dataclasses.replace(calibration.phase1, **dict(cfg.phase1))  # `full`'s knobs, this recipe's own
+    phase1_cfg = cfg.phase1_settings(calibration)  # `full`'s knobs, this recipe's own
     pool = full_plus_pool(ctx, cfg)
     block_size = int(calibration.block_size)
-    recipe = plain(cfg)
-    layers_per_pass = recipe["pool"].get("layers_per_pass")  # memory only: not part of the artifact key
-    recipe["pool"] = pool_shape(cfg, ctx.settings.calibration.seq_len)  # keyed by the windows as cut
-    settings = {"init": recipe, "phase1": plain(phase1_cfg), "block_size": block_size}
-    records = calibrate_on_pool(ctx.teacher, gdns, pool, cfg.phase1_rules, phase1_cfg, cfg.phase2, settings,
-                                calibration_store(ctx), int(ctx.settings.seed), block_size, layers_per_pass,
-                                ctx.ranks)
+    records = calibrate_on_pool(ctx.teacher, gdns, pool, cfg.phase1_rules, phase1_cfg, cfg.phase2,
+                                cache_settings("calibration", ctx.settings), calibration_store(ctx),
+                                int(ctx.settings.seed), block_size, cfg.pool.layers_per_pass, ctx.ranks)
     return {"phase1_rules": list(cfg.phase1_rules), "pool_seq_len": pool.fit.shape[1], "pool_tokens": pool.fit.numel(),
             "held_out_tokens": pool.held_out.numel(), "layers": {str(i): r for i, r in records.items()}}

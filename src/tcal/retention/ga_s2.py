@@ -19,17 +19,14 @@ from tqdm.auto import tqdm
 
 from tcal.convert import build_student, naive_gdn
 from tcal.evaluate.perplexity import perplexity
-from tcal.fingerprint import plain
 from tcal.hybrid import LINEAR, HybridForCausalLM, teacher_layer_types
 from tcal.init import apply_init
 from tcal.retention import POLICIES, Selection, num_kept
 from tcal.retention.cache import scored_selection, scoring_windows
+from tcal.settings.fields import INIT
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
-
-# Calibration fields that change no calibrated weight: the artifact cache switch and the unseen-window report.
-CALIBRATION_NOT_SCORING = ("cache", "check")
 
 
 def initialized_gdns(ctx) -> dict[int, torch.nn.Module]:
@@ -85,7 +82,4 @@ def ga_s2(cfg, ctx) -> Selection:
         windows = scoring_windows(cfg, ctx)
         return probe_perplexities(ctx, initialized_gdns(ctx), windows, int(cfg.batch_size))
 
-    run = ctx.settings
-    calibration = {k: v for k, v in plain(run.calibration).items() if k not in CALIBRATION_NOT_SCORING}
-    extra = {"init": plain(run.init), "calibration": calibration, "seed": int(run.seed)}
-    return scored_selection(cfg, ctx, score, highest=False, extra=extra)
+    return scored_selection(cfg, ctx, score, highest=False, also=(INIT,))

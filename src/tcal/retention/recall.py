@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from tcal.cache import get_or_build, json_codec
 from tcal.data import token_stream
 from tcal.evaluate.perplexity import token_nll
-from tcal.fingerprint import plain
+from tcal.settings.fields import INIT
 from tcal.needles import ANSWER, TEXT, RetrievalSequences, key_words
 from tcal.retention import POLICIES, Selection, num_kept
 from tcal.retention.ar import attention_bypassed
@@ -48,11 +48,8 @@ from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
 
-PROBES = ("bypass", "gdn")
-FILLS = ("text", "uniform")
-MIN_SEQ_LEN = 128  # room for up to MAX_NEEDLES needles, the question and the answer, and text around them
-# Calibration fields that change no calibrated weight (as for GA-S2).
-CALIBRATION_NOT_SCORING = ("cache", "check")
+from tcal.settings.retention import FILLS, PROBES  # noqa: E402 - the names live with the settings
+from tcal.settings.retention import MIN_PROBE_LEN as MIN_SEQ_LEN  # noqa: E402
 
 
 def probe_sequences(cfg, ctx) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,12 +156,7 @@ def recall(cfg, ctx) -> Selection:
     if k == num_layers:
         log.info("retention recall: ratio %s keeps all %d layers; nothing to score", cfg.ratio, num_layers)
         return Selection(list(range(num_layers)))
-    extra = {}
-    if cfg.probe == "gdn":
-        run = ctx.settings
-        calibration = {k: v for k, v in plain(run.calibration).items() if k not in CALIBRATION_NOT_SCORING}
-        extra = {"init": plain(run.init), "calibration": calibration, "seed": int(run.seed)}
-    key, parts = selection_key(cfg, ctx, extra)
+    key, parts = selection_key(cfg, ctx, (INIT,) if cfg.probe == "gdn" else ())
 
     def compute() -> dict:
         start = time.perf_counter()

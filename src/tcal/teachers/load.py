@@ -11,7 +11,6 @@ import logging
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 
 from tcal.cache import key_lock
@@ -143,29 +142,28 @@ def load_teacher(cfg, cache_dir: str | Path):
     return model, load_tokenizer(cfg, cache_dir)
 
 
-def config_from_node(node) -> PreTrainedConfig:
-    """A transformers config from a YAML node holding config.json keys (`model_type` names the family)."""
-    values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
-    return AutoConfig.for_model(**values)
+def config_from_node(node: dict) -> PreTrainedConfig:
+    """A transformers config from a mapping of config.json keys (`model_type` names the family)."""
+    return AutoConfig.for_model(**dict(node))
 
 
 def teacher_architecture(cfg, cache_dir: str | Path) -> PreTrainedConfig:
     """The teacher's architecture, without loading its weights: a local `teacher.path` folder's config.json, else
     the published config.json shipped as `teacher.architecture` (paper teachers), else the random `teacher.config`
     (tiny teachers), else the packaged GGUF's metadata (its converted folder's config.json once it exists)."""
-    local = Path(str(cfg.path)).expanduser() if cfg.get("path") else None
+    local = Path(str(cfg.path)).expanduser() if cfg.path else None
     if local is not None and local.is_dir():
         return _from_pretrained(AutoConfig, str(local), trust_remote_code(cfg))
     for key in ("architecture", "config"):
-        if cfg.get(key):
-            return config_from_node(cfg[key])
-    if cfg.get("gguf_file"):
+        if getattr(cfg, key):
+            return config_from_node(getattr(cfg, key))
+    if cfg.gguf_file:
         folder = _gguf_folder(cfg, Path(cache_dir))
         if (folder / "config.json").is_file():
             return AutoConfig.from_pretrained(folder)
         gguf = package_file(cfg.package, cfg.gguf_file)
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    raise ConfigError(f"teacher {cfg.name!r}: teacher.path={cfg.get('path')!r} is a hub id and no architecture ships "
+    raise ConfigError(f"teacher {cfg.name!r}: teacher.path={cfg.path!r} is a hub id and no architecture ships "
                       f"with it; pass teacher.path=/local/folder (its config.json is read) or add teacher.architecture")
 
 

@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from tcal.config import derived_seed
+from tcal.settings import derived_seed
 from tcal.data import Document, token_stream
 from tcal.errors import ConfigError
 from tcal.needles import RetrievalSequences, key_words

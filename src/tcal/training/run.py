@@ -10,6 +10,7 @@ evaluates (and checkpoints) every round(eval_every_tokens / tokens per step) ste
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import time
@@ -22,7 +23,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from tcal.cache import Codec, get_or_build, tensor_codec
-from tcal.config import TrainerSettings, stages_of
+from tcal.settings import TrainerSettings
+from tcal.settings.relevance import cache_settings
 from tcal.data import eval_sets, token_windows
 from tcal.distributed import world_size
 from tcal.evaluate.validation import eval_dataloaders
@@ -37,9 +39,6 @@ from tcal.training.stages import STAGES
 
 log = logging.getLogger(__name__)
 
-BUDGET_KEYS = ("max_tokens", "eval_every_tokens", "batch_size", "seq_len")
-
-
 @dataclass
 class StagePlan:
     kind: str
@@ -51,45 +50,28 @@ class StagePlan:
     tokens_per_step: int  # batch_size x seq_len x ranks
 
 
-
-def is_mixed(precision) -> bool:
-    """Mixed precision: float32 weights (and optimizer states), reduced-precision compute."""
-    return str(precision).endswith("-mixed")
-
 def plan_stages(ctx) -> list[StagePlan]:
-    """Tokenized, packed training data and step counts for each stage (settings checked by `tcal.validate`);
-    fails before conversion when the training split is shorter than one sequence."""
+    """Tokenized, packed training data and step counts for each stage; fails before conversion when the training
+    split is shorter than one sequence."""
     settings, plans = ctx.settings, []
     world = world_size(settings.trainer)
-    for kind, node, prefix in stages_of(settings.stage):
-        tokens_per_step = node.batch_size * node.seq_len * world
-        total_steps = node.max_tokens // tokens_per_step
-        data = PackedTextDataModule(ctx.splits.train, ctx.tokenizer, node.seq_len, node.batch_size, total_steps,
+    for prefix, node in settings.stage.stages():
+        steps = node.steps(world)
+        data = PackedTextDataModule(ctx.splits.train, ctx.tokenizer, node.seq_len, node.batch_size, steps.total,
                                     int(settings.seed), ctx.cache_dir if node.cache_tokens else None,
                                     float(settings.data.retrieval_mix))
-        plans.append(StagePlan(kind, node, prefix, data, total_steps,
-                               max(round(node.eval_every_tokens / tokens_per_step), 1), tokens_per_step))
+        plans.append(StagePlan(node.kind, node, prefix, data, steps.total, steps.eval_every, steps.tokens_per_step))
     return plans
 
 
 def stage1_key(ctx, student, plan: StagePlan) -> str:
-    """Everything a finished Stage 1 depends on: teacher, keep list, the GDN layers' starting weights, the stage
-    settings, its training windows, the retrieval mix (when on), the seed, the number of ranks and, when it is not
-    32-true (whose entries keep their keys), the precision. The strategy is not in it: FSDP gives DDP's Stage 1
-    (tests/test_fsdp.py)."""
+    """Everything a finished Stage 1 depends on: teacher, keep list, the GDN layers' starting weights, its training
+    windows, the number of ranks, and every setting that changes a trained student or its curve, of a run whose
+    stage is this one (so `stage=align` and the Stage 1 of `stage=align_distill` share entries)."""
     gdn_start = gdn_state(student).values()  # hashed tensor by tensor (fingerprint.digest streams tensors)
-    precision = str(ctx.settings.trainer.precision)
-    mix = [("retrieval_mix", plan.data.retrieval_mix)] if plan.data.retrieval_mix > 0 else []
-    return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start, stage1_settings(plan.cfg),
-                  plan.data.windows, int(ctx.settings.seed), world_size(ctx.settings.trainer),
-                  *([precision] if precision != "32-true" else []), *mix)
-
-
-def stage1_settings(cfg) -> dict:
-    """The Stage 1 settings that shape its result: `stage=align` and the align part of `stage=align_distill`
-    share entries (nested nodes a sweep adds to one of them, `cache`, `cache_tokens` and `name` do not count)."""
-    return {k: v for k, v in plain(cfg).items()
-            if not isinstance(v, dict) and k not in ("cache", "cache_tokens", "name")}
+    alone = dataclasses.replace(ctx.settings, stage=plan.cfg)
+    return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start,
+                  cache_settings("stage1", alone), plan.data.windows, world_size(ctx.settings.trainer))
 
 
 def gdn_state(student) -> dict:

@@ -1,0 +1,267 @@
+"""What a run needs of this machine, its files, the hub and the teacher, checked once before any work, with a
+`ConfigError` naming the key. The settings' own values are checked when they are built (`tcal.settings`); these
+are the checks a value cannot make alone.
+
+- `check_machine(settings)`, before the teacher loads: devices and GPUs, the cache folder, data and teacher files,
+  the hub, the paper tasks, the teacher's family and, when its config is known without loading it, its layers and
+  context.
+- `check_loaded(ctx)`, once the teacher and the documents are in memory and before anything is written: the real
+  teacher's layers and context, and whether each split holds the tokens its windows need.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tcal.errors import ConfigError
+from tcal.settings import RunSettings
+from tcal.settings.retention import ExplicitRetentionSettings, RecallRetentionSettings, ScoredRetentionSettings
+
+
+def check_machine(settings: RunSettings) -> None:
+    """Everything checkable before the teacher loads."""
+    check_trainer(settings.trainer)
+    check_budgets(settings)
+    check_teacher(settings.teacher)
+    check_data_files(settings)
+    check_teacher_shape(settings, *configured_shape(settings.teacher))
+    if settings.eval.harness.name == "paper":
+        from tcal.evaluate.local_tasks import check_paper_tasks_available
+
+        check_paper_tasks_available()
+    check_cache_folder(settings.paths.cache_dir)  # last: it makes the cache folder
+
+
+def check_plan(settings: RunSettings) -> None:
+    """What `tcal-plan` needs of a config, none of it about this machine (a plan is made for another one)."""
+    check_family(settings.teacher)
+    check_teacher_shape(settings, *configured_shape(settings.teacher))
+
+
+# ------------------------------------------------------------------------------------------------ the machine
+
+
+def check_trainer(trainer) -> None:
+    gpus = torch.cuda.device_count()
+    accelerator, strategy = str(trainer.accelerator), str(trainer.strategy)
+    if trainer.wants_gpu and gpus == 0:
+        raise ConfigError(f"trainer.accelerator={accelerator!r} (strategy {strategy!r}) needs a GPU, but no GPU is "
+                          f"visible here (torch.cuda.device_count() == 0); expected trainer=cpu on this machine")
+    if trainer.wants_gpu and isinstance(trainer.devices, int) and trainer.devices > gpus:
+        raise ConfigError(f"trainer.devices={trainer.devices}; only {gpus} GPUs are visible")
+    if trainer.wants_gpu and "bf16" in str(trainer.precision) and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"trainer.precision={trainer.precision!r}: this GPU has no bfloat16; expected 16-mixed or "
+                          f"32-true")
+
+
+def check_budgets(settings: RunSettings) -> None:
+    """Each stage's budget holds at least one optimizer step of all the run's ranks."""
+    from tcal.distributed import world_size
+
+    ranks = world_size(settings.trainer)
+    for key, stage in settings.stage.stages():
+        steps = stage.steps(ranks)
+        if steps.total < 1:
+            raise ConfigError(f"{key}.max_tokens={stage.max_tokens} is less than one step of {steps.tokens_per_step} "
+                              f"tokens ({key}.batch_size x {key}.seq_len x {ranks} devices)")
+
+
+def check_cache_folder(cache_dir: str) -> None:
+    """The cache folder is a folder this user can write (found now, not after calibration work started)."""
+    folder = Path(cache_dir).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"paths.cache_dir={cache_dir!r} is a file; expected a folder (or a path where one can be "
+                          f"made)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ConfigError(f"paths.cache_dir={cache_dir!r} cannot be written ({err.strerror or err}); expected a "
+                          f"folder this user can write") from None
+
+
+def check_data_files(settings: RunSettings) -> None:
+    data = settings.data
+    if data.source == "datasets":
+        from tcal.data import check_dataset_reachable
+
+        check_dataset_reachable(data)
+    for key, paths in (("data.files", data.files if data.source == "files" else []), ("data.eval_files",
+                                                                                    data.eval_files)):
+        for path in paths:
+            if not Path(str(path)).expanduser().is_file():
+                raise ConfigError(f"{key}: {str(path)!r} does not exist (or is not a file); expected an existing "
+                                  f".txt or .jsonl file")
+
+
+def check_teacher(teacher) -> None:
+    check_family(teacher)
+    if teacher.path:
+        check_pretrained_path("teacher.path", str(teacher.path), model=True)
+    if teacher.tokenizer is not None and teacher.tokenizer.path:
+        check_pretrained_path("teacher.tokenizer.path", str(teacher.tokenizer.path), model=False)
+
+
+def check_family(teacher) -> None:
+    """`teacher.architecture` names a family this project converts."""
+    if teacher.architecture is not None:
+        from tcal.teachers import ADAPTERS
+
+        model_type = teacher.architecture.get("model_type")
+        if model_type not in ADAPTERS:
+            raise ConfigError(f"teacher.architecture.model_type={model_type!r}; expected one of "
+                              f"{', '.join(sorted(ADAPTERS))}")
+
+
+def check_pretrained_path(key: str, path: str, model: bool) -> None:
+    """A local folder (a model folder holds config.json), or a hub id that is reachable or already cached."""
+    from tcal.hub import hub_model_cached, hub_offline, looks_local
+
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if model and not (folder / "config.json").is_file():
+            raise ConfigError(f"{key}={path!r} is not a model folder (no config.json); expected a folder written by "
+                              f"save_pretrained, or a hub id")
+        return
+    if folder.exists() or looks_local(path):
+        raise ConfigError(f"{key}={path!r}: no such local folder; expected a model folder or a hub id (org/name)")
+    if hub_offline() and not hub_model_cached(path):
+        raise ConfigError(f"{key}={path!r} is a hub id, but HF_HUB_OFFLINE is set and it is not in the local hub "
+                          f"cache; pass a local path: {key}=/local/folder")
+
+
+# ------------------------------------------------------------------------------------------------ the teacher
+
+
+def configured_shape(teacher) -> tuple[int | None, int | None]:
+    """(layers, context) of the teacher when known without loading it: a local folder's config.json, the shipped
+    `architecture` of a paper teacher, or a config teacher. (None, None) otherwise (GGUF, a hub id without an
+    architecture): checked after loading instead."""
+    config_file = Path(str(teacher.path)).expanduser() / "config.json" if teacher.path else None
+    config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else \
+        teacher.shape()
+    return config.get("num_hidden_layers"), config.get("max_position_embeddings")
+
+
+def check_fit(lengths: list[tuple[str, int]], context: int | None) -> None:
+    """Each (key, length) fits a teacher context of `context` tokens (None: unknown, not checked)."""
+    for key, value in lengths if context is not None else []:
+        if value > context:
+            raise ConfigError(f"{key}={value} is beyond the teacher's context of {context} tokens")
+
+
+def check_teacher_shape(settings: RunSettings, num_layers: int | None, context: int | None) -> None:
+    """Lengths within the teacher's context, and a keep list that fits its layers."""
+    if num_layers is not None:
+        check_keep_list(settings, num_layers)
+    check_fit(settings.teacher_lengths(), context)
+
+
+def kept_layers(retention, num_layers: int) -> int:
+    from tcal.retention import num_kept
+
+    return len(set(retention.keep)) if isinstance(retention, ExplicitRetentionSettings) else \
+        num_kept(retention.ratio, num_layers)
+
+
+def check_keep_list(settings: RunSettings, num_layers: int) -> None:
+    retention = settings.retention
+    if isinstance(retention, ExplicitRetentionSettings):
+        from tcal.convert import validate_keep_layers
+
+        try:
+            validate_keep_layers(list(retention.keep), num_layers)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    kept = kept_layers(retention, num_layers)
+    if isinstance(retention, RecallRetentionSettings) and retention.scored is not None and retention.scored > kept:
+        raise ConfigError(f"retention.scored={retention.scored} is more than the {kept} layers "
+                          f"retention.ratio={retention.ratio} keeps of {num_layers}")
+    if "align" in [stage.kind for _, stage in settings.stage.stages()] and kept >= num_layers:
+        what = f"retention.keep={list(retention.keep)}" if isinstance(retention, ExplicitRetentionSettings) else \
+            f"retention.ratio={retention.ratio}"
+        raise ConfigError(f"stage={settings.stage.name}: Stage 1 aligns the converted layers, but {what} keeps all "
+                          f"{num_layers} layers of the teacher; expected a keep list that converts at least one layer, "
+                          f"or stage=distill")
+
+
+# ------------------------------------------------------------------------------------------------ loaded
+
+
+def check_loaded(ctx) -> None:
+    """What needs the loaded teacher and documents (`ctx`: a `RunContext`); still before anything is written."""
+    config = ctx.teacher.config
+    check_teacher_shape(ctx.settings, config.num_hidden_layers, getattr(config, "max_position_embeddings", None))
+    check_split_tokens(ctx)
+    check_ruler_room(ctx)
+    check_recall_room(ctx)
+
+
+def check_recall_room(ctx) -> None:
+    """The probe sequences of `retention=recall` can be cut from the calibration split (they are built now, as the
+    policy will build them: a few thousand tokens), so a short split or sequence fails before any work."""
+    retention = ctx.settings.retention
+    if not isinstance(retention, RecallRetentionSettings) or kept_layers(retention, ctx.num_layers) == ctx.num_layers:
+        return
+    from tcal.retention.recall import probe_sequences
+
+    try:
+        probe_sequences(retention, ctx)
+    except ValueError as err:
+        raise ConfigError(f"retention.seq_len={retention.seq_len}: {err}") from None
+
+
+def check_ruler_room(ctx, ruler=None) -> None:
+    """The shortest RULER length leaves room for haystack text beside each task's needles and question (the
+    examples are built as the evaluation will build them), so a short length fails now, not after the init."""
+    from tcal.evaluate.ruler import make_ruler_examples
+
+    ruler = ruler or ctx.settings.eval.ruler
+    if ruler.name == "none":
+        return
+    docs, shortest = [d.text for d in ctx.splits.evaluation], min(ruler.lengths)
+    for task in ruler.tasks:
+        try:
+            make_ruler_examples(docs, ctx.tokenizer, shortest, task, ruler.n, ruler.seed)
+        except ValueError as err:
+            raise ConfigError(f"eval.ruler.lengths={list(ruler.lengths)}: {err}; raise the shortest length or "
+                              f"drop the task from eval.ruler.tasks") from None
+
+
+def check_split_tokens(ctx) -> None:
+    """Each split holds the tokens its windows need: calibration batch (and its held-out check windows),
+    scoring windows, evaluation windows per eval set (a short eval file is named)."""
+    from tcal.data import eval_sets, token_stream
+    from tcal.settings import CalibratedInitSettings, FullPlusSettings
+
+    settings = ctx.settings
+    needs = []  # (what, tokens needed, documents, where they come from)
+    cal = settings.calibration
+    if isinstance(settings.init, CalibratedInitSettings):
+        windows = 2 * cal.batch_size - 1 if cal.check and cal.batch_size > 1 else cal.batch_size
+        needs.append((f"calibration.batch_size={cal.batch_size} windows of calibration.seq_len={cal.seq_len}"
+                      + (" (with calibration.check=true, the unseen windows between them too)" if cal.check else ""),
+                      windows * cal.seq_len, ctx.splits.calibration, "the calibration split"))
+    if isinstance(settings.init, FullPlusSettings):
+        pool = settings.init.pool
+        needs.append((f"init.pool.tokens={pool.tokens} (windows of calibration.seq_len={cal.seq_len})",
+                      pool.tokens, ctx.splits.calibration, "the calibration split"))
+    ret = settings.retention
+    if isinstance(ret, ScoredRetentionSettings) and kept_layers(ret, ctx.num_layers) < ctx.num_layers:
+        needs.append((f"retention.num_windows={ret.num_windows} windows of retention.seq_len={ret.seq_len}",
+                      ret.num_windows * ret.seq_len, ctx.splits.calibration, "the calibration split"))
+    files = {Path(p).stem: str(p) for p in settings.data.eval_files}
+    ev = settings.eval
+    for name, docs in eval_sets(settings.data, ctx.splits).items():
+        source = f"data.eval_files entry {files[name]!r}" if name in files else "the evaluation split"
+        needs.append((f"eval.num_windows={ev.num_windows} windows of eval.seq_len={ev.seq_len}",
+                      ev.num_windows * ev.seq_len, docs, source))
+    for what, need, docs, source in needs:
+        have = token_stream(docs, ctx.tokenizer).numel()
+        if have < need:
+            raise ConfigError(f"{what} need {need} tokens, but {source} has {have}; lower them or give more text")

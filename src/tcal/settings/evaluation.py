@@ -1,0 +1,146 @@
+"""`eval`: what the final evaluation (and every point of a training curve) measures (conf/eval/; the
+measurements: tcal.evaluate). Perplexity on every eval set, the lm-eval harness (`eval/harness`), RULER-style
+needles (`eval/ruler`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from tcal.settings.fields import (
+    HARNESS,
+    PPL,
+    RULER,
+    Key,
+    Settings,
+    SettingError,
+    declared,
+    is_int,
+    one_of,
+    optional_positive_int,
+    positive_int,
+    setting,
+    window_length,
+)
+
+RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
+NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue")  # read one stated value back; the rest track
+
+
+@declared
+@dataclass
+class HarnessSettings(Settings):
+    """`none`: no lm-eval harness."""
+
+    name: str = setting("none", affects=[HARNESS])
+
+    def check(self) -> None:
+        one_of("name", self.name, sorted(HARNESS_OPTIONS))
+
+
+@declared
+@dataclass
+class LocalHarnessSettings(HarnessSettings):
+    """`local`: lm-eval on tasks built from held-out text (offline)."""
+
+    name: str = setting("local", affects=[HARNESS])
+    n_examples: int = setting(200, affects=[HARNESS])
+    limit: Optional[int] = setting(40, affects=[HARNESS])
+    seed: int = setting(0, affects=[HARNESS])
+    batch_size: int = setting(8, affects=[HARNESS])
+    max_length: int = setting(512, affects=[HARNESS])
+
+    def check(self) -> None:
+        super().check()
+        for key in ("n_examples", "batch_size", "max_length"):
+            positive_int(key, getattr(self, key))
+        optional_positive_int("limit", self.limit)
+
+
+@declared
+@dataclass
+class PaperHarnessSettings(HarnessSettings):
+    """`paper`: the paper's zero-shot tasks and MMLU 5-shot (needs the dataset hub)."""
+
+    name: str = setting("paper", affects=[HARNESS])
+    limit: Optional[int] = setting(None, affects=[HARNESS])
+    batch_size: int = setting(8, affects=[HARNESS])
+    max_length: int = setting(2048, affects=[HARNESS])
+
+    def check(self) -> None:
+        super().check()
+        positive_int("batch_size", self.batch_size)
+        positive_int("max_length", self.max_length)
+        optional_positive_int("limit", self.limit)
+
+
+@declared
+@dataclass
+class RulerSettings(Settings):
+    """`none`: no RULER-style needles."""
+
+    name: str = setting("none", affects=[RULER])
+
+    def check(self) -> None:
+        one_of("name", self.name, sorted(RULER_OPTIONS))
+
+
+@declared
+@dataclass
+class NeedleRulerSettings(RulerSettings):
+    """`default`: RULER-style needle-in-a-haystack tasks over held-out text, `n` examples per task and length."""
+
+    name: str = setting("default", affects=[RULER])
+    lengths: List[int] = setting(affects=[RULER], factory=lambda: [512, 1024, 2048, 4096])
+    tasks: List[str] = setting(affects=[RULER], factory=lambda: list(RULER_TASKS))
+    n: int = setting(10, affects=[RULER])
+    seed: int = setting(0, affects=[RULER])
+
+    def check(self) -> None:
+        super().check()
+        if not self.lengths or not self.tasks:
+            raise SettingError(Key("lengths"), f"={list(self.lengths)}, ", Key("tasks"), f"={list(self.tasks)}; "
+                               f"expected at least one of each (or eval/ruler=none)")
+        for length in self.lengths:
+            positive_int("lengths entry", length)
+        for task in self.tasks:
+            one_of("tasks entry", task, RULER_TASKS)
+        positive_int("n", self.n)
+
+
+@declared
+@dataclass
+class EvalSettings(Settings):
+    """Perplexity of teacher and student on every eval set (`num_windows` windows of `seq_len` tokens), plus the
+    harness and RULER."""
+
+    seq_len: int = setting(512, affects=[PPL])
+    num_windows: int = setting(16, affects=[PPL])
+    batch_size: int = setting(4, affects=[PPL])
+    position_buckets: Optional[List[int]] = setting(None, affects=[PPL])  # first position of each bucket
+    harness: Any = setting(affects=[HARNESS], factory=LocalHarnessSettings)
+    ruler: Any = setting(affects=[RULER], factory=RulerSettings)
+
+    def check(self) -> None:
+        positive_int("num_windows", self.num_windows)
+        positive_int("batch_size", self.batch_size)
+        window_length("seq_len", self.seq_len)
+        starts = self.position_buckets
+        if starts is not None:
+            ok = (starts and starts[0] == 0 and all(is_int(s) for s in starts)
+                  and all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < self.seq_len)
+            if not ok:
+                raise SettingError(Key("position_buckets"), f"={list(starts)}; expected null or increasing integers "
+                                   f"from 0, each below ", Key("seq_len"), f"={self.seq_len} (the first position of "
+                                   f"each bucket)")
+
+    def lengths(self) -> list[tuple[str, int]]:
+        """(key, length) of every sequence this evaluation feeds the teacher."""
+        lengths = [("eval.seq_len", self.seq_len)]
+        if self.ruler.name != "none":
+            lengths.append(("eval.ruler.lengths", max(self.ruler.lengths)))
+        return lengths
+
+
+HARNESS_OPTIONS = {"none": HarnessSettings, "local": LocalHarnessSettings, "paper": PaperHarnessSettings}
+RULER_OPTIONS = {"none": RulerSettings, "default": NeedleRulerSettings}

@@ -1,0 +1,258 @@
+"""`init` and `calibration`: how the converted GDN layers start (conf/init/, conf/calibration/; the modes:
+tcal.init). Every mode starts from the naive conversion (`gqa_expansion`); the Taylor-Calibrate modes (`phase1`,
+`phase2`, `full`) read `calibration`, `full_plus` its own pool and Phase 2 and `calibration`'s Phase 1 knobs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from tcal.settings.fields import (
+    INIT,
+    NOTHING,
+    Key,
+    Settings,
+    SettingError,
+    bad,
+    declared,
+    distinct_names,
+    is_number,
+    learning_rate,
+    non_negative,
+    one_of,
+    optional_positive_int,
+    positive_int,
+    positive_number,
+    setting,
+    window_length,
+)
+
+GQA_EXPANSIONS = ("whole_head", "row_repeat")  # how a KV head serves its query heads in the GDN (tcal.convert)
+PHASES = ("phase1", "phase2")
+PHASE1_RULES = ("decay", "write_gate", "value_scale", "output_gate")  # in the order they run (tcal.calibration)
+SCHEDULES = ("constant", "cosine")
+
+
+@declared
+@dataclass
+class Phase1Settings(Settings):
+    """Phase 1's closed-form rules: decay range, write-gate target, value-scale clip, output-gate damping."""
+
+    gamma_min: float = setting(1.0e-3, affects=[INIT])
+    gamma_max: float = setting(5.0, affects=[INIT])
+    beta_low: float = setting(0.3, affects=[INIT])
+    beta_span: float = setting(0.4, affects=[INIT])
+    sigma_min: float = setting(0.1, affects=[INIT])
+    sigma_max: float = setting(10.0, affects=[INIT])
+    value_fit_query_scale: bool = setting(False, affects=[INIT])
+    gate_damping: float = setting(0.01, affects=[INIT])
+
+    def check(self) -> None:
+        for low, high in (("gamma_min", "gamma_max"), ("sigma_min", "sigma_max")):
+            positive_number(low, getattr(self, low))
+            if not is_number(getattr(self, high)) or getattr(self, high) < getattr(self, low):
+                raise SettingError(Key(high), f"={getattr(self, high)!r}; expected a number >= ", Key(low),
+                                   f"={getattr(self, low)}")
+        if not is_number(self.beta_low) or not 1e-9 <= self.beta_low < 1.0:
+            raise bad("beta_low", self.beta_low, "a write-gate target in (0, 1)")
+        if not is_number(self.beta_span) or not 0.0 < self.beta_low + self.beta_span < 1.0:
+            raise bad("beta_span", self.beta_span, "beta_low + beta_span in (0, 1)")
+        non_negative("gate_damping", self.gate_damping)
+
+
+@declared
+@dataclass
+class Phase2Settings(Settings):
+    """Phase 2: per-layer alignment to the teacher's attention output on the calibration batch."""
+
+    steps: int = setting(300, affects=[INIT])
+    lr_projections: float = setting(1.0e-4, affects=[INIT])
+    lr_dynamics: float = setting(1.0e-3, affects=[INIT])
+    weight_decay: float = setting(0.01, affects=[INIT])
+    grad_clip: float = setting(1.0, affects=[INIT])
+
+    def check(self) -> None:
+        positive_int("steps", self.steps)
+        learning_rate("lr_projections", self.lr_projections)
+        learning_rate("lr_dynamics", self.lr_dynamics)
+        non_negative("weight_decay", self.weight_decay)
+        positive_number("grad_clip", self.grad_clip)
+
+
+@declared
+@dataclass
+class CalibrationSettings(Settings):
+    """Knobs of the Taylor-Calibrate modes (phase1, phase2, full) and the Phase 1 rules full_plus shares: the
+    calibration batch (`batch_size` windows of `seq_len` calibration-split tokens), the recurrence's chunk size,
+    the held-out check of every calibrated layer."""
+
+    batch_size: int = setting(4, affects=[INIT])
+    seq_len: int = setting(256, affects=[INIT])
+    block_size: int = setting(256, affects=[INIT])
+    # The held-out check measures each layer on unseen windows: no weight changes, and its tokens key the layer's
+    # cache entry themselves (a layer's record holds its check only when it was made).
+    check: bool = setting(True, affects=NOTHING)
+    cache: bool = setting(True, affects=NOTHING)
+    phase1: Phase1Settings = setting(affects=[INIT], factory=Phase1Settings)
+    phase2: Phase2Settings = setting(affects=[INIT], factory=Phase2Settings)
+
+    def check_fields(self) -> None:
+        positive_int("batch_size", self.batch_size)
+        positive_int("block_size", self.block_size)
+        window_length("seq_len", self.seq_len)
+
+    def __post_init__(self):  # `check` is a field here: the checks run under another name
+        try:
+            self.check_fields()
+        except SettingError as err:
+            raise err.owned_by(type(self).__name__) from None
+
+
+@declared
+@dataclass
+class InitSettings(Settings):
+    """`naive` and `zero_gate`: the conversion, then (zero_gate) Wg = 0."""
+
+    name: str = setting("naive", affects=[INIT])
+    gqa_expansion: str = setting("whole_head", affects=[INIT])
+
+    def check(self) -> None:
+        one_of("name", self.name, sorted(INIT_OPTIONS))
+        one_of("gqa_expansion", self.gqa_expansion, GQA_EXPANSIONS)
+
+    def calibrates(self) -> bool:
+        """Whether the mode reads the calibration split (and so `calibration.seq_len` of the teacher)."""
+        return False
+
+
+@declared
+@dataclass
+class CalibratedInitSettings(InitSettings):
+    """`full`, `phase1`, `phase2`: the Taylor-Calibrate phases named in `phases`."""
+
+    name: str = setting("full", affects=[INIT])
+    phases: List[str] = setting(affects=[INIT], factory=lambda: ["phase1", "phase2"])
+
+    def check(self) -> None:
+        super().check()
+        distinct_names("phases", self.phases, PHASES, "")
+
+    def calibrates(self) -> bool:
+        return True
+
+
+@declared
+@dataclass
+class GateInitSettings(InitSettings):
+    """`small_gate`: Wg *= gate_scale."""
+
+    name: str = setting("small_gate", affects=[INIT])
+    gate_scale: float = setting(0.02, affects=[INIT])
+
+    def check(self) -> None:
+        super().check()
+        positive_number("gate_scale", self.gate_scale)
+
+
+@declared
+@dataclass
+class PoolSettings(Settings):
+    """full_plus's pool: `tokens` of the calibration split cut into windows of calibration.seq_len, every
+    `held_out_every`-th window held out; `layers_per_pass` layers share one teacher pass (memory only)."""
+
+    tokens: int = setting(16384, affects=[INIT])
+    held_out_every: int = setting(8, affects=[INIT])
+    layers_per_pass: Optional[int] = setting(None, affects=NOTHING)  # the same weights (tested), less memory
+
+    def check(self) -> None:
+        positive_int("tokens", self.tokens)
+        optional_positive_int("layers_per_pass", self.layers_per_pass)
+
+
+@declared
+@dataclass
+class PoolPhase2Settings(Settings):
+    """full_plus's Phase 2: minibatches of `batch_size` pool windows, the state kept by held-out loss checked
+    every `select_every` steps."""
+
+    steps: int = setting(300, affects=[INIT])
+    batch_size: int = setting(4, affects=[INIT])
+    select_every: int = setting(25, affects=[INIT])
+    lr_projections: float = setting(1.0e-3, affects=[INIT])
+    lr_dynamics: float = setting(3.0e-3, affects=[INIT])
+    schedule: str = setting("constant", affects=[INIT])
+    weight_decay: float = setting(0.01, affects=[INIT])
+    grad_clip: float = setting(1.0, affects=[INIT])
+
+    def check(self) -> None:
+        for key in ("steps", "batch_size", "select_every"):
+            positive_int(key, getattr(self, key))
+        learning_rate("lr_projections", self.lr_projections)
+        learning_rate("lr_dynamics", self.lr_dynamics)
+        one_of("schedule", self.schedule, SCHEDULES)
+        non_negative("weight_decay", self.weight_decay)
+        positive_number("grad_clip", self.grad_clip)
+
+
+@declared
+@dataclass
+class FullPlusSettings(InitSettings):
+    """`full_plus`: the named Phase 1 rules (with `phase1` overriding calibration.phase1), then Phase 2 on
+    minibatches of a calibration-split pool, the state kept by held-out loss."""
+
+    name: str = setting("full_plus", affects=[INIT])
+    phase1_rules: List[str] = setting(affects=[INIT], factory=lambda: list(PHASE1_RULES))
+    phase1: Dict[str, Any] = setting(affects=[INIT], factory=lambda: {"sigma_min": 0.1, "sigma_max": 0.1})
+    pool: PoolSettings = setting(affects=[INIT], factory=PoolSettings)
+    phase2: PoolPhase2Settings = setting(affects=[INIT], factory=PoolPhase2Settings)
+
+    def check(self) -> None:
+        super().check()
+        distinct_names("phase1_rules", self.phase1_rules, PHASE1_RULES, "")
+        known = [f.name for f in dataclasses.fields(Phase1Settings)]
+        for key in self.phase1:
+            if key not in known:
+                raise bad(f"phase1.{key}", self.phase1[key], f"a key of calibration.phase1 ({', '.join(known)})")
+
+    def calibrates(self) -> bool:
+        return True
+
+    def phase1_settings(self, calibration: CalibrationSettings) -> Phase1Settings:
+        """`calibration.phase1` with this recipe's overrides."""
+        return dataclasses.replace(calibration.phase1, **self.phase1)
+
+    def check_pool(self, seq_len: int) -> None:
+        """The pool cut in windows of `calibration.seq_len` (keys relative to the run's root)."""
+        pool, phase2 = self.pool, self.phase2
+        if pool.tokens % seq_len:
+            raise SettingError(Key("init.pool.tokens"), f"={pool.tokens}; expected a multiple of ",
+                               Key("calibration.seq_len"), f"={seq_len} (the pool is cut into whole windows of that "
+                               f"length)")
+        windows = pool.tokens // seq_len
+        every = pool.held_out_every
+        if not isinstance(every, int) or isinstance(every, bool) or not 2 <= every <= windows:
+            raise SettingError(Key("init.pool.held_out_every"), f"={every!r}; expected an integer from 2 to the "
+                               f"{windows} windows of the pool (", Key("init.pool.tokens"), f"={pool.tokens} / ",
+                               Key("calibration.seq_len"), f"={seq_len}; every n-th pool window is held out: at least "
+                               f"one must be)")
+        fit = windows - windows // every
+        if phase2.batch_size > fit:
+            raise SettingError(Key("init.phase2.batch_size"), f"={phase2.batch_size} is more than the {fit} fit windows "
+                               f"of the pool ({windows} windows of ", Key("calibration.seq_len"), f"={seq_len}, one in ",
+                               Key("init.pool.held_out_every"), f"={every} held out)")
+
+
+# The settings class of each init mode (`init.name`).
+INIT_OPTIONS = {"naive": InitSettings, "zero_gate": InitSettings, "small_gate": GateInitSettings,
+                "phase1": CalibratedInitSettings, "phase2": CalibratedInitSettings, "full": CalibratedInitSettings,
+                "full_plus": FullPlusSettings}
+
+
+def init_settings(name: str, **changes) -> InitSettings:
+    """The default settings of init mode `name` (as conf/init/<name>.yaml gives them), with `changes`."""
+    if name not in INIT_OPTIONS:
+        raise SettingError(Key("name"), f"={name!r}; expected one of {', '.join(INIT_OPTIONS)}")
+    if name in ("phase1", "phase2") and "phases" not in changes:
+        changes["phases"] = [name]
+    return INIT_OPTIONS[name](name=name, **changes)

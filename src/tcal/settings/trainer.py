@@ -1,0 +1,103 @@
+"""`trainer`, `logger`, `paths`: where and how a run works (conf/trainer/, conf/logger/, conf/paths/). Whether the
+machine has what the trainer asks for (GPUs, bfloat16) is checked by `tcal.preflight`, not here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from tcal.settings.fields import (
+    EVALUATION,
+    NOTHING,
+    SCORES,
+    INIT,
+    TRAIN,
+    Key,
+    Settings,
+    SettingError,
+    bad,
+    declared,
+    is_int,
+    one_of,
+    positive_int,
+    setting,
+)
+
+PRECISIONS = ("16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true", "64-true", "32", "16", "bf16", "64",
+              "transformer-engine", "transformer-engine-float16")
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+LOGGERS = ("none", "csv", "wandb")
+
+
+@declared
+@dataclass
+class TrainerSettings(Settings):
+    """Lightning Trainer settings of the training stages and the evaluation; also the device of the init."""
+
+    accelerator: str = setting("cpu", affects=[SCORES, INIT, TRAIN, *EVALUATION])
+    devices: Any = setting(1, affects=[TRAIN, *EVALUATION])  # a count, a list of device ids, -1 or "auto"
+    num_nodes: int = setting(1, affects=[TRAIN, *EVALUATION])
+    strategy: str = setting("auto", affects=[TRAIN])
+    precision: str = setting("32-true", affects=[TRAIN, *EVALUATION])
+    deterministic: bool = setting(False, affects=[TRAIN])
+
+    def check(self) -> None:
+        one_of("accelerator", str(self.accelerator), ACCELERATORS)
+        one_of("precision", str(self.precision), PRECISIONS)
+        if str(self.strategy).startswith("deepspeed"):
+            raise SettingError(Key("strategy"), f"={self.strategy!r}: DeepSpeed is not supported (its resume and "
+                               f"export were never tested; docs/scale.md); expected trainer=fsdp for sharded training")
+        check_devices(self.devices)
+        positive_int("num_nodes", self.num_nodes)
+        if self.accelerator == "cpu" and str(self.precision) in ("16-mixed", "16"):
+            raise SettingError(Key("precision"), f"={self.precision!r} is not supported on the CPU; expected "
+                               f"32-true, bf16-mixed or bf16-true")
+
+    @property
+    def wants_gpu(self) -> bool:
+        return str(self.accelerator) in ("gpu", "cuda")
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: float32 weights (and optimizer states), reduced-precision compute."""
+        return str(self.precision).endswith("-mixed")
+
+
+def check_devices(devices) -> None:
+    """What Lightning takes for `devices`: a count >= 1, -1 or "auto" (all), or a non-empty list of device ids."""
+    if isinstance(devices, str) and devices.strip() in ("auto", "-1"):
+        return
+    if isinstance(devices, str):
+        parts = [p.strip() for p in devices.split(",") if p.strip()]
+        ids = [int(p) for p in parts if p.isdigit()]
+        ok = len(ids) == len(parts) > 0 and (len(ids) > 1 or devices.strip().endswith(",") or ids[0] >= 1)
+    elif isinstance(devices, (list, tuple)):
+        ids = list(devices)
+        ok = bool(ids) and all(is_int(i) and i >= 0 for i in ids) and len(set(ids)) == len(ids)
+    else:
+        ok = is_int(devices) and (devices >= 1 or devices == -1)
+    if not ok:
+        raise bad("devices", devices, "a number of devices >= 1, -1 or auto (every device), or a non-empty list of "
+                                      "device ids such as [0,1]")
+
+
+@declared
+@dataclass
+class LoggerSettings(Settings):
+    """Where metrics go: `csv` (RUN_DIR/logs/metrics.csv), `wandb` (`project`, runs grouped by `group`), `none`."""
+
+    name: str = setting("csv", affects=NOTHING)
+    project: Optional[str] = setting(None, affects=NOTHING)
+    group: Optional[str] = setting(None, affects=NOTHING)
+
+    def check(self) -> None:
+        one_of("name", self.name, LOGGERS)
+
+
+@declared
+@dataclass
+class PathsSettings(Settings):
+    """Where runs (`output_dir`) and the shared caches (`cache_dir`) go, relative to the working directory."""
+
+    output_dir: str = setting("outputs", affects=NOTHING)
+    cache_dir: str = setting(".cache/tcal", affects=NOTHING)
