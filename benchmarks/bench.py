@@ -29,15 +29,21 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-
 from host_memory import bench_host_memory
-from plan_activations import bench_plan_activations
 from init_cost import bench_init_modes, bench_phase2_step, bench_stats
-from longctx import (LONG_CONTEXT_BATCHES, LONG_CONTEXT_DECODE_TOKENS, LONG_CONTEXT_RATIOS, LONG_CONTEXTS,
-                     bench_longctx, bench_student)
+from longctx import (
+    LONG_CONTEXT_BATCHES,
+    LONG_CONTEXT_DECODE_TOKENS,
+    LONG_CONTEXT_RATIOS,
+    LONG_CONTEXTS,
+    bench_longctx,
+    bench_student,
+)
 from measurement import best_time, emit
-from tcal.gdn import chunk_gated_delta_rule_torch
+from plan_activations import bench_plan_activations
 from training_steps import bench_kl_memory, bench_plan, bench_stage1, bench_stage2
+
+from tcal.student.gdn import chunk_gated_delta_rule_torch
 
 
 def rule_inputs(T: int, heads: int = 9, dim: int = 64, batch: int = 1, seed: int = 0):
@@ -111,8 +117,8 @@ def main(argv=None) -> None:
     if "plan" in args.groups:
         bench_plan(args.override)
     if set(args.groups) - {"gdn", "kl_memory", "host_memory", "host_memory_replaced", "plan", "plan_activations"}:
-        from tcal.settings.compose import settings_for
         from tcal.retention.uniform import uniform_layers
+        from tcal.settings.compose import settings_for
         from tcal.teachers.load import load_teacher
 
         run_overrides = [o for o in args.override if not o.startswith("stage.")]

@@ -68,7 +68,7 @@ def compose_cfg(*overrides: str):
 def check_kernels() -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from tcal.gdn import chunk_gated_delta_rule_torch
+    from tcal.student.gdn import chunk_gated_delta_rule_torch
 
     for width, heads, dim in (("smollm2", 9, 64), ("qwen2_5_1_5b", 12, 128)):
         for dtype in (torch.float32, torch.bfloat16):
@@ -117,8 +117,8 @@ def check_zero_shot() -> None:
 
 
 def smollm2_pair(ratio: float = 0.5):
-    from tcal.convert import build_student
     from tcal.retention.uniform import uniform_layers
+    from tcal.student.convert import build_student
     from tcal.teachers.load import load_teacher
 
     cfg = compose_cfg()

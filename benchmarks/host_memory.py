@@ -12,7 +12,6 @@ must agree.
 from __future__ import annotations
 
 import torch
-
 from measurement import emit, in_fresh_process, reset_peak_rss, rss_kib
 
 
@@ -43,8 +42,8 @@ def _random_teacher(overrides: list[str]):
 
 def _replaced_construction(teacher, keep_layers):
     """The construction `build_student` replaced: float32 random student, cast, teacher state copied in."""
-    from tcal.convert import convert_layer, hybrid_config, layer_generator, take_buffers
-    from tcal.hybrid import HybridForCausalLM
+    from tcal.student.convert import convert_layer, hybrid_config, layer_generator, take_buffers
+    from tcal.student.hybrid import HybridForCausalLM
     from tcal.teachers import adapter_for
 
     adapter = adapter_for(teacher.config)
@@ -63,9 +62,9 @@ def _replaced_construction(teacher, keep_layers):
 def measure_build(overrides: list[str], construction: str) -> dict:
     """Peak RSS (bytes) above the teacher-loaded process while building the student by `construction`
     (`meta` = `build_student`, `replaced`), then while hashing it (`weights_digest`)."""
-    from tcal.convert import build_student
-    from tcal.fingerprint import weights_digest
     from tcal.retention.uniform import uniform_layers
+    from tcal.store.fingerprint import weights_digest
+    from tcal.student.convert import build_student
 
     name, teacher = _random_teacher(overrides)
     keep = uniform_layers(teacher.config.num_hidden_layers, 0.25)

@@ -10,9 +10,9 @@ import tempfile
 import time
 
 import torch
-
 from measurement import best_time, emit, in_fresh_process, reset_peak_rss, rss_kib
-from tcal.fingerprint import weights_digest
+
+from tcal.store.fingerprint import weights_digest
 
 
 def stats_forward_peak(path: str, mode: str, seq_len: int, block_size: int) -> tuple[int, int]:
@@ -20,7 +20,7 @@ def stats_forward_peak(path: str, mode: str, seq_len: int, block_size: int) -> t
     `path`: `plain`, or under `collect_teacher_stats`. Meant for `in_fresh_process`."""
     from transformers import AutoModelForCausalLM
 
-    from tcal.calibration.stats import collect_teacher_stats
+    from tcal.init.calibration.stats import collect_teacher_stats
 
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_pretrained(path)  # safetensors: no pickle
@@ -73,9 +73,10 @@ def bench_stats(teacher, seq_len=4096) -> dict:
 
 def bench_phase2_step(teacher, cfg, layer: int = 1, steps: int = 20) -> dict:
     """Phase 2 seconds per step on one layer, against one forward+backward of that GDN on the same batch."""
-    from tcal.calibration.align import align_layer, alignment_loss
-    from tcal.calibration.stats import collect_teacher_stats
-    from tcal.convert import naive_gdn
+    from tcal.init.calibration.align import align_layer
+    from tcal.init.calibration.stats import collect_teacher_stats
+    from tcal.student.alignment import alignment_loss
+    from tcal.student.convert import naive_gdn
 
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, teacher.config.vocab_size, (int(cfg.batch_size), int(cfg.seq_len)), generator=gen)
@@ -100,10 +101,10 @@ INIT_MODES_BENCHED = ("phase2", "full", "full_plus")
 
 def measure_init(cfg) -> dict:
     """Wall time and peak resident memory of one init mode (conversion + calibration, no cache, no evaluation)."""
-    from tcal.convert import build_student
     from tcal.init import init_student
     from tcal.pipeline import prepare
     from tcal.retention import select_layers
+    from tcal.student.convert import build_student
 
     timings: dict = {}
     ctx = prepare(cfg, cfg.paths.output_dir, timings)

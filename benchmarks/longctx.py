@@ -60,7 +60,7 @@ def prefill(model, ids: torch.Tensor):
     same KV cache code."""
     from transformers import DynamicCache
 
-    from tcal.hybrid import use_growing_kv
+    from tcal.student.hybrid import use_growing_kv
 
     cache = use_growing_kv(DynamicCache(config=model.config))
     with Clock() as clock:
@@ -89,7 +89,7 @@ def decode_time(model, context: torch.Tensor, steps: int = 8) -> tuple[float, in
 
 
 def bench_student(teacher, keep_layers, batch=4, seq_len=512, context=4096) -> list[dict]:
-    from tcal.convert import build_student
+    from tcal.student.convert import build_student
 
     student = build_student(teacher, keep_layers)
     ids = torch.randint(0, teacher.config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
@@ -177,7 +177,7 @@ def long_context_peak_rss(teacher_cfg, cache_dir, keep_layers, context: int, bat
     model (the teacher a student is built from is freed first). Meant for `in_fresh_process`."""
     import gc
 
-    from tcal.convert import build_student
+    from tcal.student.convert import build_student
     from tcal.teachers.load import load_teacher
 
     model, _ = load_teacher(teacher_cfg, cache_dir)
@@ -225,8 +225,8 @@ def bench_longctx(teacher, teacher_cfg, cache_dir, ratios=LONG_CONTEXT_RATIOS, c
     """Prefill, decode per token, cache bytes and peak RSS of the naive uniform students at `ratios` against the
     teacher, per context length. Times are measured in this process, teacher and students side by side; the peak
     RSS of each model and context in a fresh process of its own (`long_context_peak_rss`)."""
-    from tcal.convert import build_student
     from tcal.retention.uniform import uniform_layers
+    from tcal.student.convert import build_student
 
     keep = {ratio: uniform_layers(teacher.config.num_hidden_layers, ratio) for ratio in ratios}
     models = {TEACHER_RETENTION: teacher, **{ratio: build_student(teacher, keep[ratio]) for ratio in ratios}}

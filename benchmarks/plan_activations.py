@@ -6,7 +6,7 @@ and three converted, trains on the CPU: one forward and backward of its decoder 
 for the embeddings, in a fresh process per setting. Measured: the peak resident growth over the process with the
 model, its gradients (allocated beforehand, so the backward only accumulates) and the input, less the output,
 with glibc releasing freed blocks at once (resident memory then follows the live tensors). Planned: what
-`tcal.plan` adds up for the same slice (`trace_decoder`, `decoder_activations`, and under autocast the weight copies
+`tcal.tools.plan` adds up for the same slice (`trace_decoder`, `decoder_activations`, and under autocast the weight copies
 of `autocast_copies`). Each checkpointing setting in float32, and under bf16 autocast (CPU autocast; the plan's
 float32 trace is an upper bound there).
 """
@@ -14,7 +14,6 @@ float32 trace is an upper bound there).
 from __future__ import annotations
 
 import torch
-
 from measurement import emit, in_fresh_process, reset_peak_rss, rss_kib
 from training_steps import EAGER_RELEASE
 
@@ -41,8 +40,8 @@ def slice_config(overrides: list[str]):
 def planned_bytes(config, setting: str, autocast: bool, batch: int, seq_len: int) -> int:
     """The plan's bytes for the slice's decoder: activations (float32 trace) and, under autocast, weight copies
     (the compute dtype's bytes per trainable Linear parameter of the decoder; the slice runs no head)."""
-    from tcal.convert import meta_student
-    from tcal.plan import autocast_copies, decoder_activations, dtype_bytes, trace_decoder
+    from tcal.student.convert import meta_student
+    from tcal.tools.plan import autocast_copies, decoder_activations, dtype_bytes, trace_decoder
 
     student = meta_student(config, [0]).train().requires_grad_(True)
     student.lm_head.requires_grad_(False)
@@ -55,7 +54,7 @@ def planned_bytes(config, setting: str, autocast: bool, batch: int, seq_len: int
 def measure_slice(overrides: list[str], setting: str, autocast: bool, batch: int, seq_len: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from tcal.convert import build_student
+    from tcal.student.convert import build_student
 
     name, config = slice_config(overrides)
     torch.manual_seed(0)

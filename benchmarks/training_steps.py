@@ -8,8 +8,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from measurement import best_time, emit, fit_step_time, in_fresh_process, peak_rss_gb, reset_peak_rss, rss_kib
+
 from tcal.training.stages import AlignStage, DistillStage
 
 
@@ -21,7 +21,7 @@ def stage_config(kind: str, overrides=()):
 
 
 def stage_setup(teacher, kind: str, keep_layers, batch: int, seq_len: int, steps: int, overrides=()):
-    from tcal.convert import build_student
+    from tcal.student.convert import build_student
 
     cfg = stage_config(kind, overrides)
     student = build_student(teacher, keep_layers)
@@ -69,7 +69,7 @@ def plan_overrides(overrides=(), batch: int = PLAN_BATCH[0], seq_len: int = PLAN
 def measure_stage2_peak(cfg, keep_layers) -> dict:
     """Peak resident memory of a short Stage 2 (`cfg.stage`, float32 teacher on the CPU) over the process before
     the teacher loaded: what the plan's per-device peak counts."""
-    from tcal.convert import build_student
+    from tcal.student.convert import build_student
     from tcal.teachers.load import load_teacher
 
     base = rss_kib("VmRSS") * 1024
@@ -95,8 +95,8 @@ def bench_plan(overrides=(), batch: int = PLAN_BATCH[0], seq_len: int = PLAN_BAT
     fresh process twice: with glibc releasing freed blocks at once (`EAGER_RELEASE`: the memory allocated, which is
     what the plan counts and what the target is about) and with glibc's defaults (what a CPU run shows; the
     difference is free memory glibc keeps). SmolLM2 by default: the real teacher, float32."""
-    from tcal.plan import GB, make_plan
     from tcal.settings.compose import settings_for
+    from tcal.tools.plan import GB, make_plan
 
     cfg = settings_for(*plan_overrides(overrides, batch, seq_len, steps))
     plan = make_plan(cfg)
@@ -131,7 +131,7 @@ class PlainDistill(DistillStage):
 
 def bench_stage1(teacher, keep_layers, batch=4, seq_len=512, steps=3, overrides=()) -> dict:
     """A Stage 1 step against (teacher forward + every GDN layer's forward+backward) on the same batch."""
-    from tcal.calibration.align import alignment_loss, capture_teacher_io
+    from tcal.student.alignment import alignment_loss, capture_teacher_io
 
     cfg, student, batches = stage_setup(teacher, "align", keep_layers, batch, seq_len, steps, overrides)
     module = AlignStage(student, teacher, cfg, steps)

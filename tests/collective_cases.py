@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tcal.cache import Codec, get_or_build_each, json_codec, save_json
-from tcal.distributed import Ranks, split_work
 from tcal.errors import ConfigError, FolderInUse
+from tcal.runtime.distributed import Ranks, split_work
+from tcal.store.cache import Codec, get_or_build_each, json_codec, save_json
 
 TIMEOUT = timedelta(seconds=60)
 

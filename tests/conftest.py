@@ -79,7 +79,7 @@ def tiny_teachers():
     return {name: make_teacher(name) for name in FAMILIES}
 
 
-def compose(*overrides: str) -> "RunSettings":
+def compose(*overrides: str):
     """The run settings of `tcal <overrides>` (composed by Hydra and converted, as the entry does): every test
     composes here or with `compose_config`."""
     from tcal.settings.compose import settings_for
@@ -96,7 +96,7 @@ def compose_config(*overrides: str, return_hydra_config: bool = False):
 
 def repo_cache_dir() -> str:
     """The repo's cache (`.cache/tcal`, or $TCAL_CACHE_DIR), where the SmolLM2 tokenizer is converted once."""
-    from tcal.app import CONF_DIR
+    from tcal.cli.app import CONF_DIR
 
     return os.environ.get("TCAL_CACHE_DIR") or str(Path(CONF_DIR).parent / ".cache" / "tcal")
 

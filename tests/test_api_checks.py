@@ -10,6 +10,7 @@ import pytest
 from conftest import repo_cache_dir
 
 from tcal import api
+from tcal.errors import ConfigError
 from tcal.settings import (
     DataSettings,
     DistillSettings,
@@ -20,7 +21,6 @@ from tcal.settings import (
     init_settings,
     tiny_teacher,
 )
-from tcal.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

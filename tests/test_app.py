@@ -15,13 +15,13 @@ import torch
 from conftest import compose, compose_config, isolated_cache_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tcal.app import CONF_DIR, earlier_run, run_in
-from tcal.data import eval_sets, load_splits, token_windows
+from tcal.cli.app import CONF_DIR, earlier_run, run_in
+from tcal.data.documents import eval_sets, load_splits, token_windows
 from tcal.errors import FolderInUse
 from tcal.evaluate.perplexity import perplexity
-from tcal.hybrid import HybridForCausalLM
 from tcal.pipeline import run
-from tcal.record import example_record
+from tcal.store.record import example_record
+from tcal.student.hybrid import HybridForCausalLM
 
 EXTRA_TEXT = "\n".join(
     f"Line {i}: the quick brown fox jumps over the lazy dog, and the {i}th sheep counts its blessings."
@@ -202,7 +202,7 @@ EXTRA_TINY: dict[str, list[str]] = {**{name: TINY_PAPER for name in PAPER_EXPERI
 
 def tcal_command() -> list[str]:
     script = Path(sys.executable).parent / "tcal"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "tcal.app"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tcal.cli.app"]
 
 
 @pytest.mark.slow
@@ -226,7 +226,7 @@ def test_experiment_runs_from_the_command_line(name, tmp_path):
 
 def test_datasets_source_splits_local_text_by_document(tmp_path):
     """`data.source=datasets` reads rows through `datasets` (here the offline `text` builder)."""
-    from tcal.data import load_splits
+    from tcal.data.documents import load_splits
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"line number {i} of the corpus" for i in range(20)) + "\n")

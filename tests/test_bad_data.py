@@ -10,7 +10,7 @@ import logging
 import pytest
 from conftest import repo_cache_dir
 
-from tcal.data import file_documents
+from tcal.data.documents import file_documents
 from tcal.errors import ConfigError, DataError
 from tcal.pipeline import run
 

@@ -6,9 +6,17 @@ import json
 import pytest
 import torch
 from conftest import TINY_VOCAB, compose, make_teacher, repo_cache_dir
-
-from longctx import (bench_longctx, bench_student, cache_bytes, cached_tensors, decode_steps, expand_cache_batch,
-                     expanded_copy, long_context_peak_rss, prefill)
+from longctx import (
+    bench_longctx,
+    bench_student,
+    cache_bytes,
+    cached_tensors,
+    decode_steps,
+    expand_cache_batch,
+    expanded_copy,
+    long_context_peak_rss,
+    prefill,
+)
 from measurement import emit, in_fresh_process
 from training_steps import bench_stage1, bench_stage2
 
@@ -53,7 +61,7 @@ def test_fresh_process_runs_with_the_environment_it_is_given():
 
 def test_expanded_cache_decodes_every_row_like_the_batch_1_cache():
     """`expand_cache_batch` stands a batch-1 prefill in for a batch-3 one: each row decodes as the single row."""
-    from tcal.convert import build_student
+    from tcal.student.convert import build_student
 
     teacher = make_teacher("llama")
     ids = torch.randint(3, TINY_VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
@@ -110,7 +118,7 @@ def test_long_context_peak_rss_in_a_fresh_process():
 
 
 def test_expanded_copy_leaves_the_cache_as_it_was():
-    from tcal.convert import build_student
+    from tcal.student.convert import build_student
 
     student = build_student(make_teacher("llama"), [0, 2])
     _, cache, _ = prefill(student, torch.randint(3, TINY_VOCAB, (1, 12), generator=torch.Generator().manual_seed(0)))

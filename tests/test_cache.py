@@ -1,4 +1,4 @@
-"""The one cache (`tcal.cache`): one INFO line per build and per reuse, damaged or foreign entries rebuilt with a
+"""The one cache (`tcal.store.cache`): one INFO line per build and per reuse, damaged or foreign entries rebuilt with a
 warning, an entry written as soon as it is built, and two processes that need the same calibrated layers from a
 cold cache build each layer once and end with the same weights."""
 
@@ -17,7 +17,7 @@ import torch
 from conftest import compose, isolated_cache_dir
 from safetensors.torch import save_file
 
-from tcal.cache import get_or_build, get_or_build_each, key_lock, tensor_codec
+from tcal.store.cache import get_or_build, get_or_build_each, key_lock, tensor_codec
 
 TENSORS = tensor_codec(lambda value: ({"w": value["w"]}, value["record"]),
                        lambda tensors, record: {"w": tensors["w"], "record": record})
@@ -29,7 +29,7 @@ def cache_lines(caplog) -> list[str]:
 
 def test_a_build_and_each_reuse_log_one_line_naming_kind_and_key(tmp_path, caplog):
     value = {"w": torch.arange(6.0).view(2, 3), "record": {"loss": [1.5, 0.25]}}
-    with caplog.at_level(logging.INFO, logger="tcal.cache"):
+    with caplog.at_level(logging.INFO, logger="tcal.store.cache"):
         built = get_or_build("calibration", "k1", lambda: value, folder=tmp_path, codec=TENSORS)
         again = get_or_build("calibration", "k1", lambda: pytest.fail("built twice"), folder=tmp_path, codec=TENSORS)
         scores = get_or_build("retention", "ar-k2", lambda: {"1": 2.0}, folder=tmp_path / "r")
@@ -58,7 +58,7 @@ def no_record(path: Path) -> None:
 
 def refused(path: Path) -> None:
     """A whole entry of the right key whose content `decode` refuses (here: no tensor `w`)."""
-    from tcal.cache import save_tensors
+    from tcal.store.cache import save_tensors
 
     save_tensors(path, {"other": torch.ones(1)}, {}, path.stem)
 
@@ -70,7 +70,7 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning(damage, why, tmp_path, caplog
     get_or_build("stage1", "k", lambda: first, folder=tmp_path, codec=TENSORS)
     damage(tmp_path / "k.safetensors")
     second = {"w": torch.full((3,), 2.0), "record": {"n": 2}}
-    with caplog.at_level(logging.INFO, logger="tcal.cache"):
+    with caplog.at_level(logging.INFO, logger="tcal.store.cache"):
         assert get_or_build("stage1", "k", lambda: second, folder=tmp_path, codec=TENSORS) is second
         read = get_or_build("stage1", "k", lambda: pytest.fail("rebuilt twice"), folder=tmp_path, codec=TENSORS)
     assert torch.equal(read["w"], second["w"]) and read["record"] == {"n": 2}
@@ -83,7 +83,7 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning(damage, why, tmp_path, caplog
 def test_an_entry_under_another_key_is_rebuilt_not_trusted(tmp_path, caplog):
     get_or_build("calibration", "aaaa", lambda: {"w": torch.ones(2), "record": {}}, folder=tmp_path, codec=TENSORS)
     (tmp_path / "bbbb.safetensors").write_bytes((tmp_path / "aaaa.safetensors").read_bytes())
-    with caplog.at_level(logging.WARNING, logger="tcal.cache"):
+    with caplog.at_level(logging.WARNING, logger="tcal.store.cache"):
         value = get_or_build("calibration", "bbbb", lambda: {"w": torch.zeros(2), "record": {}}, folder=tmp_path,
                              codec=TENSORS)
     assert torch.equal(value["w"], torch.zeros(2))
@@ -126,7 +126,7 @@ def test_an_entry_being_built_by_another_process_is_waited_for_and_reused(tmp_pa
 
     first = threading.Thread(target=lambda: results.append(get_or_build("retention", "k", slow_build,
                                                                         folder=tmp_path)))
-    with caplog.at_level(logging.INFO, logger="tcal.cache"):
+    with caplog.at_level(logging.INFO, logger="tcal.store.cache"):
         first.start()
         assert started.wait(timeout=60)
         results.append(get_or_build("retention", "k", lambda: pytest.fail("built twice"), folder=tmp_path))
@@ -174,14 +174,14 @@ SMOKE_FULL = ("experiment=smoke", "init=full", "calibration.phase2.steps=2", "ev
 
 def calibrate_in_a_process(cache: str, run_dir: str, log_file: str, start) -> None:
     """One job of a sweep: the smoke run with `full` calibration, started together with the other job (`start`,
-    a barrier, just before the layers are calibrated), each layer slowed so the two overlap. Its `tcal.cache`
+    a barrier, just before the layers are calibrated), each layer slowed so the two overlap. Its `tcal.store.cache`
     lines go to `log_file`, its weights digest to `<run_dir>/digest`."""
-    from tcal.calibration import calibrate as calibrate_module
+    from tcal.init.calibration import calibrate as calibrate_module
     from tcal.pipeline import run
 
     handler = logging.FileHandler(log_file)
-    logging.getLogger("tcal.cache").addHandler(handler)
-    logging.getLogger("tcal.cache").setLevel(logging.INFO)
+    logging.getLogger("tcal.store.cache").addHandler(handler)
+    logging.getLogger("tcal.store.cache").setLevel(logging.INFO)
     shared, one = calibrate_module.calibrate_shared, calibrate_module.calibrate_one
 
     def together(*args, **kwargs):

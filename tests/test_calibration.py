@@ -13,15 +13,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import compose, isolated_cache_dir, make_teacher
 from omegaconf import OmegaConf
 
-from conftest import compose, isolated_cache_dir, make_teacher
-from tcal.app import CONF_DIR
-from tcal.calibration import align as align_module
-from tcal.calibration import calibrate as calibrate_module
-from tcal.calibration.align import DYNAMICS, PROJECTIONS, align_layer, alignment_loss_value, parameter_groups
-from tcal.calibration.calibrate import ArtifactStore, artifact_key, calibrate_layers, calibration_batch, check_batch
-from tcal.calibration.phase1 import (
+from tcal.cli.app import CONF_DIR
+from tcal.data.documents import token_stream
+from tcal.init import apply_init, init_student
+from tcal.init.calibration import align as align_module
+from tcal.init.calibration import calibrate as calibrate_module
+from tcal.init.calibration.align import DYNAMICS, PROJECTIONS, align_layer, parameter_groups
+from tcal.init.calibration.calibrate import (
+    ArtifactStore,
+    artifact_key,
+    calibrate_layers,
+    calibration_batch,
+    check_batch,
+)
+from tcal.init.calibration.phase1 import (
     apply_phase1,
     decay_rates,
     inverse_softplus,
@@ -30,11 +38,10 @@ from tcal.calibration.phase1 import (
     rescale_write_gate,
     write_targets,
 )
-from tcal.calibration.stats import LayerStats, blockwise_attention, collect_teacher_stats
-from tcal.convert import build_student, naive_gdn
-from tcal.data import token_stream
-from tcal.gdn import GatedDeltaNet
-from tcal.init import apply_init, init_student
+from tcal.init.calibration.stats import LayerStats, blockwise_attention, collect_teacher_stats
+from tcal.student.alignment import alignment_loss_value
+from tcal.student.convert import build_student, naive_gdn
+from tcal.student.gdn import GatedDeltaNet
 
 LN2 = math.log(2.0)
 PHASE1_PARAMS = ("A_log", "dt_bias", "b_proj.weight", "v_proj.weight", "g_proj.weight")
@@ -80,7 +87,7 @@ def tokens():
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
     """A RunContext like `pipeline.prepare` builds: tiny llama with the SmolLM2 vocabulary, Shakespeare splits."""
-    from tcal.data import load_splits
+    from tcal.data.documents import load_splits
     from tcal.pipeline import RunContext
     from tcal.teachers.load import load_tokenizer
 

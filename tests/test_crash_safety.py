@@ -20,10 +20,10 @@ import torch
 from conftest import compose, isolated_cache_dir
 from safetensors.torch import save_file
 
-from tcal.app import CONF_DIR
-from tcal.cache import get_or_build, load_json, load_tensors, save_json, save_tensors
+from tcal.cli.app import CONF_DIR
 from tcal.pipeline import run
-from tcal.results import write_folder_atomic
+from tcal.store.cache import get_or_build, load_json, load_tensors, save_json, save_tensors
+from tcal.store.files import write_folder_atomic
 
 # the kinds of cache entry, each in its folder under paths.cache_dir
 KINDS = ("calibration", "retention", "teacher_eval", "tokens", "stage1")
@@ -121,7 +121,7 @@ def builds(log_files: list[Path]) -> dict[str, int]:
 def test_parallel_sweep_shares_one_cache(tmp_path):
     cache = isolated_cache_dir(tmp_path / "cache")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tcal.app", *TINY, *job, f"paths.cache_dir={cache}",
+    procs = [subprocess.Popen([sys.executable, "-m", "tcal.cli.app", *TINY, *job, f"paths.cache_dir={cache}",
                                f"hydra.run.dir={tmp_path / f'job{i}'}"], cwd=Path(CONF_DIR).parent, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for i, job in enumerate(SWEEP)]

@@ -16,9 +16,10 @@ from conftest import isolated_cache_dir
 from test_sweep import ONE_STEP, sweep
 from wandb_workspaces import expr
 
-from tcal import dashboard
-from tcal.dashboard import SPEC_FILE, dashboard_spec, load_logged_runs, to_report
-from tcal.report import collect, efficiency_table, main, markdown_table
+from tcal.tools import dashboard
+from tcal.tools.dashboard import SPEC_FILE, dashboard_spec, load_logged_runs, to_report
+from tcal.tools.figures import collect, efficiency_table, markdown_table
+from tcal.tools.report import main
 
 INITS = ("naive", "zero_gate")
 

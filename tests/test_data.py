@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tcal.data import Document, between_windows, token_windows
+from tcal.data.documents import Document, between_windows, token_windows
 
 
 class CountingTokenizer:

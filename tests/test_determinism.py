@@ -8,10 +8,10 @@ import torch
 from conftest import compose, isolated_cache_dir
 from safetensors.torch import load_file
 
-from tcal.convert import build_student
-from tcal.fingerprint import weights_digest
 from tcal.init import init_student
 from tcal.pipeline import prepare, run
+from tcal.store.fingerprint import weights_digest
+from tcal.student.convert import build_student
 
 MODES = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full")
 
@@ -80,7 +80,7 @@ def test_streamed_weights_digest_hashes_the_whole_float32_byte_stream(monkeypatc
     non-contiguous (transposed) tensor and a tensor shorter than a piece give that digest."""
     import hashlib
 
-    import tcal.fingerprint as fingerprint
+    import tcal.store.fingerprint as fingerprint
 
     torch.manual_seed(0)
     module = torch.nn.Module()

@@ -22,10 +22,10 @@ import pytest
 import torch
 from conftest import isolated_cache_dir
 
-from tcal.app import CONF_DIR
-from tcal.distributed import Ranks, split_work
+from tcal.cli.app import CONF_DIR
+from tcal.cli.rank import STOP_GRACE_S, free_port
 from tcal.evaluate.validation import RankWindows
-from tcal.rank import STOP_GRACE_S, free_port
+from tcal.runtime.distributed import Ranks, split_work
 
 SMOKE = ("experiment=smoke", "eval.num_windows=3", "save_student=false")
 GA_S2_FULL = ("retention=ga_s2", "retention.num_windows=2", "init=full")
@@ -39,7 +39,7 @@ def read_results(run_dir: Path) -> dict:
 
 def tcal(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, str]:
     run_dir = tmp_path / name
-    command = [sys.executable, "-m", "tcal.app", *SMOKE, *overrides,
+    command = [sys.executable, "-m", "tcal.cli.app", *SMOKE, *overrides,
                f"paths.cache_dir={isolated_cache_dir(tmp_path / f'cache_{name}')}", f"hydra.run.dir={run_dir}"]
     done = subprocess.run(command, cwd=Path(CONF_DIR).parent, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
@@ -99,7 +99,7 @@ def tcal_with_fault(fault: dict | list | None, *args: str) -> subprocess.Complet
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])),
            "TCAL_TEST_FAULT": json.dumps(fault) if fault else ""}
-    return subprocess.run([sys.executable, "-m", "tcal.app", *args], cwd=Path(CONF_DIR).parent, env=env,
+    return subprocess.run([sys.executable, "-m", "tcal.cli.app", *args], cwd=Path(CONF_DIR).parent, env=env,
                           capture_output=True, text=True, timeout=900)
 
 
@@ -160,7 +160,7 @@ def test_a_sweep_of_two_rank_jobs_runs_once_with_fresh_ranks_per_job_and_a_rank_
         assert without_run_specifics(job) == without_run_specifics(alone)
 
 
-STOPS = re.compile(r"^\[([\d-]+ [\d:,]+)\]\[tcal\.rank\]\[ERROR\] - rank (\d) of 2 stops: (.*)$", re.MULTILINE)
+STOPS = re.compile(r"^\[([\d-]+ [\d:,]+)\]\[tcal\.cli\.rank\]\[ERROR\] - rank (\d) of 2 stops: (.*)$", re.MULTILINE)
 
 
 @pytest.mark.parametrize("case", ["refusal_on_rank_0", pytest.param("divergence_on_rank_1", marks=pytest.mark.slow)])

@@ -7,10 +7,10 @@ import pytest
 from conftest import make_teacher, repo_cache_dir
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
-from tcal.convert import build_student, validate_keep_layers
 from tcal.pipeline import run
-from tcal.retention import num_kept
 from tcal.retention.uniform import uniform_layers
+from tcal.settings.retention import num_kept
+from tcal.student.convert import build_student, validate_keep_layers
 from tcal.teachers import adapter_for
 
 SUPPORTED = r"supported: llama, qwen2, qwen3"

@@ -26,9 +26,9 @@ from conftest import compose, isolated_cache_dir, make_teacher
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from tcal.app import CONF_DIR
-from tcal.convert import build_student
+from tcal.cli.app import CONF_DIR
 from tcal.evaluate.validation import eval_dataloaders, is_sharded
+from tcal.student.convert import build_student
 from tcal.training.run import ShardedStrategy, stage1_key, stage_checkpoint, unsharded_student
 from tcal.training.stages import AlignStage, DistillStage
 
@@ -154,7 +154,7 @@ CWD = Path(CONF_DIR).parent
 
 
 def command(tmp_path: Path, name: str, trainer: str) -> list[str]:
-    return [sys.executable, "-m", "tcal.app", *TWO_STAGES, f"trainer={trainer}",
+    return [sys.executable, "-m", "tcal.cli.app", *TWO_STAGES, f"trainer={trainer}",
             f"paths.cache_dir={isolated_cache_dir(tmp_path / f'cache_{name}')}", f"hydra.run.dir={tmp_path / name}"]
 
 
@@ -221,7 +221,7 @@ def test_fsdp_sigkill_and_resume_give_the_uninterrupted_curve(ddp_run, tmp_path)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its rank processes
     proc.wait()
     assert checkpoint.is_dir() and results(run_dir)["status"] != "complete"
-    done = subprocess.run([sys.executable, "-m", "tcal.app", f"resume={run_dir}",
+    done = subprocess.run([sys.executable, "-m", "tcal.cli.app", f"resume={run_dir}",
                            f"hydra.run.dir={tmp_path / 'resume_log'}"], cwd=CWD, env=ENV, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

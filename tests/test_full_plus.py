@@ -12,15 +12,15 @@ import pytest
 import torch
 from conftest import compose, isolated_cache_dir, make_teacher
 
-from tcal.calibration.align import alignment_metrics
-from tcal.calibration.calibrate import ArtifactStore
-from tcal.calibration.pool import align_on_pool, calibrate_on_pool, minibatches, pool_windows
-from tcal.convert import naive_gdn
-from tcal.data import Document, Splits
-from tcal.gdn import GatedDeltaNet
+from tcal.data.documents import Document, Splits
+from tcal.init.calibration.calibrate import ArtifactStore
+from tcal.init.calibration.pool import align_on_pool, calibrate_on_pool, minibatches, pool_windows
 from tcal.init.full_plus import full_plus_pool
 from tcal.pipeline import run
-from tcal.schedule import lr_factor
+from tcal.settings.schedule import lr_factor
+from tcal.student.alignment import alignment_metrics
+from tcal.student.convert import naive_gdn
+from tcal.student.gdn import GatedDeltaNet
 
 EOS = 99
 
@@ -106,7 +106,7 @@ def test_cosine_schedule_reaches_zero():
     factor = lr_factor("cosine", 10)
     assert [factor(0), factor(5)] == [1.0, pytest.approx(0.5)] and factor(10) == pytest.approx(0.0, abs=1e-12)
     assert lr_factor("constant", 10)(7) == 1.0
-    with pytest.raises(ValueError, match="constant or cosine"):
+    with pytest.raises(ValueError, match="expected one of constant, cosine"):
         lr_factor("linear", 10)
 
 

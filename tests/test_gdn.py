@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from fla.ops.gated_delta_rule import naive_recurrent_gated_delta_rule
 from transformers import DynamicCache, PretrainedConfig
 
-from tcal.gdn import GatedDeltaNet, chunk_gated_delta_rule_torch, gated_delta_rule, recurrent_step
+from tcal.student.gdn import GatedDeltaNet, chunk_gated_delta_rule_torch, gated_delta_rule, recurrent_step
 
 ATOL = RTOL = 1e-5
 MODULE_TOL = dict(atol=1e-4, rtol=1e-4)  # module outputs are O(1-10): float32 noise of the gated norm and Wo
@@ -465,7 +465,7 @@ def test_matches_fla_triton_kernels_under_interpreter(tmp_path):
 def test_fla_kernel_inputs_follow_autocast():
     """Under bf16-mixed (autocast) fla's kernel gets bfloat16 q, k, v and beta, like the matmuls around it; without
     autocast they pass unchanged (the CPU path computes in float32 either way)."""
-    from tcal.gdn import kernel_inputs
+    from tcal.student.gdn import kernel_inputs
 
     q, k, v, beta = (torch.randn(1, 4, 2, 8) for _ in range(4))
     assert all(out is t for out, t in zip(kernel_inputs(q, k, v, beta), (q, k, v, beta)))

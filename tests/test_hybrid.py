@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from conftest import FAMILIES, TINY_VOCAB, make_teacher
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tcal.convert import build_student, expand_kv, layer_generator
-from tcal.gdn import GatedDeltaNet
-from tcal.hybrid import KV_RESERVE, LINEAR, GrowingKVLayer, HybridConfig, HybridForCausalLM
+from tcal.student.convert import build_student, expand_kv, layer_generator
+from tcal.student.gdn import GatedDeltaNet
+from tcal.student.hybrid import KV_RESERVE, LINEAR, GrowingKVLayer, HybridConfig, HybridForCausalLM
 
 TOL = 1e-4
 PAD, EOS = 0, 2
@@ -341,7 +341,7 @@ def test_student_dtype_follows_teacher():
 def _student_built_at_random_then_overwritten(teacher, keep_layers, seed=0):
     """The construction the meta-device build replaced: a randomly initialized float32 student cast to the
     teacher's dtype, the teacher's state loaded into it by copy, the converted layers filled in place."""
-    from tcal.convert import convert_layer, hybrid_config, take_buffers
+    from tcal.student.convert import convert_layer, hybrid_config, take_buffers
     from tcal.teachers import adapter_for
 
     adapter = adapter_for(teacher.config)

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import compose, isolated_cache_dir
 
-from tcal.app import check_arguments
-from tcal.settings import derived_seed
-from tcal.convert import layer_generator
+from tcal.cli.app import check_arguments
 from tcal.errors import ConfigError
 from tcal.pipeline import run
-from tcal.results import WriteFailed, WriteRefused
 from tcal.preflight import check_machine
+from tcal.settings import derived_seed
+from tcal.store.files import WriteFailed, WriteRefused
+from tcal.student.convert import layer_generator
 
 SMOKE = ("experiment=smoke", "init=naive", "eval.num_windows=2", "logger=none")
 

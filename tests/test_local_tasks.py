@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tcal.evaluate.local_tasks import (CLOZE_TASK, NEXTLINE_TASK, PAPER_TASKS, build_local_tasks,
-                                       check_paper_tasks_available, nlu_average, run_harness)
+from tcal.evaluate.local_tasks import (
+    CLOZE_TASK,
+    NEXTLINE_TASK,
+    PAPER_TASKS,
+    build_local_tasks,
+    check_paper_tasks_available,
+    nlu_average,
+    run_harness,
+)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +125,7 @@ def _harness_rank(rank: int, world: int, port: int, documents: list[str], folder
     """One rank of the split harness: its figures (None off rank 0) and its log lines in `folder`/rank_<rank>.*."""
     import torch.distributed as dist
 
-    from tcal.distributed import Ranks
+    from tcal.runtime.distributed import Ranks
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -134,7 +141,7 @@ def _harness_rank(rank: int, world: int, port: int, documents: list[str], folder
 
 
 def test_two_ranks_split_the_documents_and_give_one_process_figures(documents, tmp_path):
-    from tcal.rank import free_port
+    from tcal.cli.rank import free_port
 
     names = build_local_tasks(documents, tmp_path / "tasks", seed=0, n_examples=20)
     tokenizer = _tiny_tokenizer(documents)

@@ -16,17 +16,17 @@ import pytest
 import torch
 from conftest import compose, isolated_cache_dir, make_teacher
 
-from tcal.app import CONF_DIR
-from tcal.calibration import align as align_module
-from tcal.calibration.phase1 import apply_phase1
-from tcal.calibration.stats import LayerStats, blockwise_attention, collect_teacher_stats
-from tcal.convert import naive_gdn
+from tcal.cli.app import CONF_DIR
 from tcal.errors import Divergence
 from tcal.evaluate.perplexity import perplexity
+from tcal.init.calibration import align as align_module
+from tcal.init.calibration.phase1 import apply_phase1
+from tcal.init.calibration.stats import LayerStats, blockwise_attention, collect_teacher_stats
 from tcal.pipeline import run
-from tcal.record import example_record, write_record
-from tcal.training.stages import StageModule
+from tcal.store.record import example_record, write_record
+from tcal.student.convert import naive_gdn
 from tcal.training import stages as stages_module
+from tcal.training.stages import StageModule
 
 B, T, H, DH, D = 2, 24, 4, 16, 64
 
@@ -206,7 +206,7 @@ def test_learning_rate_100_fails_with_one_line_and_a_failed_record(tmp_path):
     """One step at learning rate 100 (the weights leave float range) ends the run "failed", not "complete"."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "tcal.app", "experiment=smoke", "init=naive", "stage=distill",
+    done = subprocess.run([sys.executable, "-m", "tcal.cli.app", "experiment=smoke", "init=naive", "stage=distill",
                            "stage.max_tokens=64", "stage.eval_every_tokens=64", "stage.batch_size=2", "stage.seq_len=32",
                            "stage.lr_mixer=100", "stage.lr_rest=100", "eval.num_windows=2", "logger=none",
                            f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", f"hydra.run.dir={run_dir}"],

@@ -12,7 +12,7 @@ import huggingface_hub.constants
 import pytest
 from conftest import compose, isolated_cache_dir, make_teacher, repo_cache_dir
 
-from tcal.app import CONF_DIR
+from tcal.cli.app import CONF_DIR
 from tcal.pipeline import run
 from tcal.teachers import load as load_module
 

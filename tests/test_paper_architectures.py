@@ -14,14 +14,14 @@ from conftest import compose, isolated_cache_dir
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-from tcal.app import group_options
-from tcal.convert import build_student, naive_gdn
-from tcal.data import load_splits
+from tcal.cli.app import group_options
+from tcal.data.documents import load_splits
 from tcal.init import apply_init
 from tcal.pipeline import RunContext
-from tcal.plan import make_plan
 from tcal.retention.uniform import uniform_layers
+from tcal.student.convert import build_student, naive_gdn
 from tcal.teachers.load import load_tokenizer, teacher_architecture
+from tcal.tools.plan import make_plan
 from tcal.training.stages import DistillStage
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,12 @@ import pytest
 import torch
 from conftest import compose, make_teacher
 
-from tcal.convert import build_student, meta_student
 from tcal.errors import ConfigError
-from tcal.plan import (
+from tcal.retention.uniform import uniform_layers
+from tcal.runtime.distributed import world_size
+from tcal.student.convert import build_student, meta_student
+from tcal.teachers.load import meta_model, parameter_count, teacher_architecture
+from tcal.tools.plan import (
     SavedTensors,
     build_model,
     main,
@@ -21,9 +24,6 @@ from tcal.plan import (
     trace_alignment,
     trace_decoder,
 )
-from tcal.retention.uniform import uniform_layers
-from tcal.teachers.load import meta_model, parameter_count, teacher_architecture
-from tcal.distributed import world_size
 
 # Parameter counts published with the paper teachers (model cards).
 PUBLISHED = {"qwen2_5_1_5b": 1.54e9, "qwen2_5_3b": 3.09e9, "llama3_2_3b": 3.21e9, "qwen3_8b": 8.19e9}

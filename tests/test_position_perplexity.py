@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY_VOCAB, compose, isolated_cache_dir, make_teacher
 
-from tcal.distributed import Ranks
 from tcal.evaluate import perplexity as perplexity_module
 from tcal.evaluate.perplexity import nll_sums, perplexity, position_nll_sums, token_nll
 from tcal.evaluate.validation import validate_windows
+from tcal.runtime.distributed import Ranks
 
 
 def _windows(count: int, length: int, seed: int = 0) -> torch.Tensor:

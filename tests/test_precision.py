@@ -11,7 +11,7 @@ import torch
 from conftest import FAMILIES, compose, make_teacher
 from torch.utils.data import DataLoader
 
-from tcal.convert import build_student
+from tcal.student.convert import build_student
 from tcal.training.kd import chunked_kd_loss
 from tcal.training.stages import AlignStage, DistillStage
 

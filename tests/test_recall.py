@@ -13,12 +13,12 @@ import torch
 from conftest import compose, make_teacher, repo_cache_dir
 from test_errors import run_fails
 
-import tcal.calibration.calibrate as calibrate_mod
-import tcal.convert as convert_mod
-import tcal.data as data_mod
-from tcal.data import load_splits, token_stream
+import tcal.data.documents as data_mod
+import tcal.init.calibration.calibrate as calibrate_mod
+import tcal.student.convert as convert_mod
+from tcal.data.documents import load_splits, token_stream
+from tcal.data.needles import ANSWER, NEEDLE, QUESTION, TEXT, RetrievalSequences, key_words
 from tcal.errors import ConfigError
-from tcal.needles import ANSWER, NEEDLE, QUESTION, TEXT, RetrievalSequences, key_words
 from tcal.pipeline import RunContext
 from tcal.retention import select_layers
 from tcal.retention.recall import keep_list, probe_sequences, uniform_fill

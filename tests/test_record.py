@@ -1,4 +1,4 @@
-"""The results.json schema (`tcal.record`): what is written is what is read back, and a damaged record, a field of
+"""The results.json schema (`tcal.store.record`): what is written is what is read back, and a damaged record, a field of
 the wrong type or an unknown schema version is refused with the file and the field named."""
 
 from __future__ import annotations
@@ -10,10 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from tcal.app import recorded_run
+from tcal.cli.app import recorded_run
 from tcal.errors import ConfigError, FolderInUse
-from tcal.record import (FIELDS, SCHEMA_VERSION, RecordError, check_record, example_record, example_stage,
-                         is_stage_record, load_record, read_record, write_record)
+from tcal.store.record import (
+    FIELDS,
+    SCHEMA_VERSION,
+    RecordError,
+    check_record,
+    example_record,
+    example_stage,
+    is_stage_record,
+    load_record,
+    read_record,
+    write_record,
+)
 
 
 def _write(tmp_path, data) -> Path:
@@ -127,7 +137,7 @@ def test_a_resume_or_rerun_names_a_damaged_record_or_an_unknown_version(tmp_path
     record = example_record("initialized")
     record["teacher"] = "t1"
     path = _write(tmp_path, record)
-    with caplog.at_level(logging.WARNING, logger="tcal.record"):
+    with caplog.at_level(logging.WARNING, logger="tcal.store.record"):
         assert read_record(tmp_path) is None  # a rerun into the folder starts again, and says why
     assert caplog.messages == [f"results of an earlier run cannot be used: {path}: field 'teacher': expected a "
                                f"JSON object, got 't1'; starting again"]

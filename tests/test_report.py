@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from tcal import report
-from tcal.record import example_record, example_stage
-from tcal.report import Reach, efficiency_ratio, fmt_ppl, fmt_ratio, main
+from tcal.store.record import example_record, example_stage
+from tcal.tools import figures
+from tcal.tools.figures import Reach, efficiency_ratio, fmt_ppl, fmt_ratio
+from tcal.tools.report import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -165,7 +166,7 @@ def test_efficiency_ratio_bounds():
     assert efficiency_ratio(Reach(3000, "never"), Reach(1000, "exact")) == ">=3.00x"
     assert efficiency_ratio(Reach(3000, "exact"), Reach(1000, "never")) == "n/a"
     assert efficiency_ratio(Reach(500, "upper"), Reach(500, "upper")) == "n/a"
-    assert report.reach([(0, 30.0), (100, 20.0)], 20.0) == Reach(100, "exact")
+    assert figures.reach([(0, 30.0), (100, 20.0)], 20.0) == Reach(100, "exact")
 
 
 def test_formatting():
@@ -175,7 +176,7 @@ def test_formatting():
 
 def test_console_script(multirun, tmp_path):
     out = tmp_path / "cli"
-    done = subprocess.run([sys.executable, "-m", "tcal.report", str(multirun), "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "tcal.tools.report", str(multirun), "--out", str(out)],
                           capture_output=True, text=True, check=True)
     assert "## Token efficiency" in done.stdout and (out / "zero_shot.csv").exists()
 

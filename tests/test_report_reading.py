@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import os
 
-from tcal.record import example_record, write_record
-from tcal.report import collect, main
+from tcal.store.record import example_record, write_record
+from tcal.tools.figures import collect
+from tcal.tools.report import main
 
 
 def result(init: str, ppl: float, curve=None, **extra) -> dict:
@@ -69,12 +70,12 @@ def test_null_values_in_a_curve_or_buckets_are_reported_beside_the_other_runs(tm
 
 def test_a_record_the_report_cannot_use_is_listed_and_the_others_reported(tmp_path, monkeypatch):
     """Whatever a single record trips in the report's reading, that record is named and the others reported."""
-    import tcal.report as report
+    import tcal.tools.figures as figures
 
     put(tmp_path / "m" / "good", result("full", 25.0))
     put(tmp_path / "m" / "odd", result("naive", 30.0))
-    normalize = report._normalize
-    monkeypatch.setattr(report, "_normalize", lambda path, data: normalize(path, data) if data["init_mode"] == "full"
+    normalize = figures._normalize
+    monkeypatch.setattr(figures, "_normalize", lambda path, data: normalize(path, data) if data["init_mode"] == "full"
                         else (_ for _ in ()).throw(TypeError("something unexpected")))
     found = collect(tmp_path / "m")
     assert [run.init for run in found.runs] == ["full"]

@@ -18,12 +18,12 @@ from conftest import compose, isolated_cache_dir
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
-from tcal import app
-from tcal.app import CONF_DIR, check_arguments, run_in
+from tcal.cli import app
+from tcal.cli.app import CONF_DIR, check_arguments, run_in
 from tcal.errors import DamagedCheckpoint, FolderInUse
 from tcal.pipeline import run
-from tcal.record import example_record
-from tcal.rerun import resumed_settings
+from tcal.store.record import example_record
+from tcal.store.rerun import resumed_settings
 
 TINY = ("experiment=smoke", "init=naive", "eval.num_windows=2")
 DISTILL = ("stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=256",
@@ -163,7 +163,7 @@ def test_a_damaged_checkpoint_is_named_and_the_record_keeps_what_it_held(straigh
     assert {p: p.read_bytes() for p in kept} == kept
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "tcal.app", f"resume={run_dir}", f"hydra.run.dir={tmp_path / 'log'}"],
+    done = subprocess.run([sys.executable, "-m", "tcal.cli.app", f"resume={run_dir}", f"hydra.run.dir={tmp_path / 'log'}"],
                           cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]

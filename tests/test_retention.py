@@ -14,16 +14,17 @@ import torch
 from conftest import compose, compose_config, make_teacher, repo_cache_dir
 from omegaconf import OmegaConf
 
-import tcal.calibration.calibrate as calibrate_mod
+import tcal.init.calibration.calibrate as calibrate_mod
 import tcal.retention.ar as ar_mod
 import tcal.retention.ga_s2 as ga_s2_mod
-from tcal.convert import build_student, naive_gdn
-from tcal.data import load_splits, token_stream
+from tcal.data.documents import load_splits, token_stream
 from tcal.init import init_student
 from tcal.pipeline import RunContext, run
-from tcal.retention import POLICIES, num_kept, select_layers
+from tcal.retention import POLICIES, select_layers
 from tcal.retention.ga_s2 import probes
 from tcal.retention.uniform import uniform_layers
+from tcal.settings.retention import num_kept
+from tcal.student.convert import build_student, naive_gdn
 from tcal.teachers.load import load_tokenizer
 
 VOCAB = 49152  # the SmolLM2 tokenizer's

@@ -9,9 +9,9 @@ import torch
 from conftest import compose, repo_cache_dir
 from test_errors import run_fails
 
-from tcal.data import load_splits, token_stream
+from tcal.data.documents import load_splits, token_stream
+from tcal.data.needles import key_words
 from tcal.errors import ConfigError
-from tcal.needles import key_words
 from tcal.teachers.load import load_tokenizer
 from tcal.training.data import PackedTextDataModule, StepSampler, is_retrieval
 

@@ -118,7 +118,7 @@ def test_a_run_with_ruler_records_teacher_and_student_and_caches_the_teacher(tmp
     overrides = ["experiment=smoke", "init=naive", "eval/ruler=default", "eval.ruler.lengths=[256]",
                  "eval.ruler.tasks=[niah_single,niah_multikey]", "eval.ruler.n=2", f"paths.cache_dir={cache}",
                  f"paths.output_dir={tmp_path / 'outputs'}", "save_student=false"]
-    caplog.set_level("INFO", logger="tcal.cache")
+    caplog.set_level("INFO", logger="tcal.store.cache")
     first = run(compose(*overrides), tmp_path / "first")
     for role in ("teacher", "student"):
         assert set(first["ruler"][role]) == {"256"}
@@ -133,8 +133,8 @@ def test_a_run_with_ruler_records_teacher_and_student_and_caches_the_teacher(tmp
 
 def test_ranks_shares_of_the_examples_add_up_to_one_process(documents, tokenizer):
     """RULER over 2 ranks: each generates every 2nd example of each task; their hit counts sum to one process's."""
-    from tcal.distributed import Ranks
     from tcal.evaluate.ruler import ruler_hits
+    from tcal.runtime.distributed import Ranks
 
     def reply(prompt):  # right on some examples, wrong on others: the sums must come from the right ranks
         return solve(prompt) if len(prompt) % 3 else "42"
@@ -174,8 +174,8 @@ def test_summary_splits_needle_subtasks_from_the_others_with_standard_errors():
 def test_report_prints_each_subtask_with_its_standard_error_and_examples(tmp_path):
     import json
 
-    from tcal.record import example_record
-    from tcal.report import build_report
+    from tcal.store.record import example_record
+    from tcal.tools.report import build_report
 
     ruler = {"teacher": {"512": {"niah_single": 1.0, "variable_tracking": 0.0}},
              "student": {"512": {"niah_single": 0.5, "variable_tracking": 0.25}},

@@ -18,18 +18,18 @@ from pathlib import Path
 import pytest
 from conftest import compose, isolated_cache_dir
 
-from tcal.app import CONF_DIR
-from tcal.cache import key_lock
+from tcal.cli.app import CONF_DIR
 from tcal.errors import FolderInUse
 from tcal.pipeline import run
-from tcal.rerun import RUN_LOCK, holding_folder
+from tcal.store.cache import key_lock
+from tcal.store.rerun import RUN_LOCK, holding_folder
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 HOLD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from tcal.rerun import holding_folder
-    from tcal.cache import key_lock
+    from tcal.store.rerun import holding_folder
+    from tcal.store.cache import key_lock
     hold = holding_folder if sys.argv[1] == "folder" else key_lock
     with hold(Path(sys.argv[2])):
         print("held", flush=True)
@@ -67,9 +67,10 @@ def test_a_run_into_a_folder_a_live_run_holds_is_refused_naming_it(holder, tmp_p
 
 
 def test_the_library_s_distill_into_a_held_folder_is_refused(holder, tmp_path):
+    from conftest import repo_cache_dir
+
     from tcal import api
     from tcal.settings import DataSettings, DistillSettings, tiny_teacher
-    from conftest import repo_cache_dir
 
     proc = holder("folder", tmp_path / "run")
     teacher = api.load_teacher(tiny_teacher(), repo_cache_dir())
@@ -86,7 +87,7 @@ def test_a_hold_left_by_a_dead_process_is_taken_over(death, holder, tmp_path, ca
     proc = holder("folder", run_dir)
     proc.send_signal(death)
     proc.wait()
-    with caplog.at_level(logging.INFO, logger="tcal.locks"):
+    with caplog.at_level(logging.INFO, logger="tcal.store.locks"):
         with holding_folder(run_dir):
             held = json.loads((run_dir / RUN_LOCK).read_text())
             assert held["pid"] == os.getpid()
@@ -106,7 +107,7 @@ def test_waiting_for_a_cache_entry_another_job_builds_says_what_it_waits_for(hol
     entry = tmp_path / "cache" / "calibration" / "abc.safetensors"
     proc = holder("entry", entry)
     got = []
-    with caplog.at_level(logging.WARNING, logger="tcal.cache"):
+    with caplog.at_level(logging.WARNING, logger="tcal.store.cache"):
         waiter = threading.Thread(target=lambda: got.append(key_lock(entry).__enter__()))
         waiter.start()
         waiter.join(timeout=3)
@@ -123,7 +124,7 @@ def test_the_same_command_twice_refuses_the_second_while_the_first_trains(tmp_pa
     """Two `tcal` processes into one folder: the second (started while the first, paused by SIGSTOP, is mid-stage)
     exits 2 naming the first's pid; the first completes with no metrics row twice."""
     cache = isolated_cache_dir(tmp_path / "cache")
-    args = [sys.executable, "-m", "tcal.app", "experiment=smoke", "init=naive", "eval.num_windows=2",
+    args = [sys.executable, "-m", "tcal.cli.app", "experiment=smoke", "init=naive", "eval.num_windows=2",
             "stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=1024",
             "stage.eval_every_tokens=256", f"paths.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -13,9 +13,9 @@ import pytest
 from conftest import compose
 
 import tcal.settings as settings_package
-from tcal.fingerprint import digest
 from tcal.settings.fields import PRODUCTS, Settings, relevance, setting
 from tcal.settings.relevance import KEYED_BY, cache_settings, differences, leaves, levels, with_fields
+from tcal.store.fingerprint import digest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tcal"
 
@@ -116,7 +116,7 @@ def test_resume_safety_and_report_variants_follow_the_declarations():
     assert [key for key, _, _ in differences(settings, unsafe)] == ["stage.lr_mixer"]
     assert with_fields(settings, unsafe).stage.lr_mixer == settings.stage.lr_mixer  # a result field is kept
 
-    from tcal.report import result_keys
+    from tcal.tools.figures import result_keys
 
     recorded = result_keys(settings.tree())
     assert "stage.lr_mixer" in recorded and "eval.seq_len" not in recorded and "paths.cache_dir" not in recorded
@@ -139,16 +139,16 @@ def test_a_recorded_settings_tree_reads_back_as_the_same_settings():
 
 
 def test_only_the_converter_and_the_entry_points_read_a_dictconfig():
-    allowed = {"settings/compose.py", "app.py", "sweep.py", "rank.py"}
+    allowed = {"settings/compose.py", "cli/app.py", "cli/sweep.py", "cli/rank.py"}
     readers = sorted(path.relative_to(SRC).as_posix() for path in SRC.rglob("*.py")
                      if re.search(r"^\s*(from|import) (omegaconf|hydra)\b", path.read_text(), re.M))
     assert set(readers) <= allowed, set(readers) - allowed
 
 
 def test_the_implementations_serve_exactly_the_names_the_settings_allow():
-    from tcal.calibration.phase1 import PHASE1_RULES
-    from tcal.data import SOURCES
+    from tcal.data.documents import SOURCES
     from tcal.init import INIT_MODES
+    from tcal.init.calibration.phase1 import PHASE1_RULES
     from tcal.retention import POLICIES
     from tcal.settings.data import SOURCES as DATA_SOURCES
     from tcal.settings.init import INIT_OPTIONS

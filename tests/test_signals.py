@@ -21,10 +21,10 @@ from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
 from tcal import api
-from tcal.app import CONF_DIR
-from tcal.settings import DataSettings, DistillSettings, init_settings, tiny_teacher
+from tcal.cli.app import CONF_DIR
 from tcal.pipeline import run
-from tcal.signals import Interrupted, KeyboardInterrupted, handling
+from tcal.runtime.signals import Interrupted, KeyboardInterrupted, handling
+from tcal.settings import DataSettings, DistillSettings, init_settings, tiny_teacher
 
 TINY = ("experiment=smoke", "init=naive", "eval.num_windows=2", "logger=none")
 DISTILL = ("stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=256",
@@ -95,7 +95,7 @@ def test_a_signal_mid_stage_is_recorded_and_the_run_resumes_exactly(signum, dist
     record = read(tmp_path / "run")
     assert (record["status"], record["failed_after"]) == ("failed", "initialized")
     assert record["error"] == f"interrupted by {signum.name} (signal {int(signum)})"
-    from tcal.app import run_in
+    from tcal.cli.app import run_in
     run_in(cfg, tmp_path / "run")  # what the same command does: continue the unfinished run
     assert_same_result(read(tmp_path / "run"), read(straight))
     assert_same_weights(tmp_path / "run", straight)
@@ -129,7 +129,7 @@ def test_ctrl_c_in_api_distill_raises_keyboard_interrupt_not_system_exit(tiny, m
 def test_a_signal_in_api_initialize_raises_interrupted_naming_it(signum, tiny, monkeypatch, tmp_path):
     """Calibration through the library: the signal stops it with Interrupted (a BaseException: `except
     Exception` in user code does not swallow it)."""
-    import tcal.calibration.calibrate as calibrate
+    import tcal.init.calibration.calibrate as calibrate
 
     teacher, splits = tiny
     original = calibrate.calibrate_one
@@ -183,7 +183,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFF
 def tcal(*args: str, signal_on: str | None = None, signum: int = signal.SIGTERM) -> tuple[int, str, bool]:
     """Run `tcal ARGS`; with `signal_on`, send `signum` the moment a line containing it appears. (exit code,
     output, whether the signal was sent)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tcal.app", *args], cwd=Path(CONF_DIR).parent, env=ENV,
+    proc = subprocess.Popen([sys.executable, "-m", "tcal.cli.app", *args], cwd=Path(CONF_DIR).parent, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines, sent = [], False
     for line in proc.stdout:
@@ -296,7 +296,7 @@ def test_a_signal_to_a_two_rank_job_reaches_its_ranks_and_the_rerun_resumes_exac
             f"hydra.run.dir={tmp_path / 'run'}")
     code, out, sent = tcal(*args, signal_on=PHASES["stage2"][0], signum=signum)
     assert sent and code == 128 + signum, out[-3000:]
-    ranks = [pid for pid in os.listdir("/proc") if pid.isdigit() and b"tcal.rank" in
+    ranks = [pid for pid in os.listdir("/proc") if pid.isdigit() and b"tcal.cli.rank" in
              Path(f"/proc/{pid}/cmdline").read_bytes()] if Path("/proc/self/cmdline").exists() else []
     assert not ranks  # the tests run one at a time: any rank process still alive is this job's
     record = read(tmp_path / "run")

@@ -7,14 +7,14 @@ import json
 
 from omegaconf import OmegaConf
 
-from tcal.plan import main as plan_main
+from tcal.tools.plan import main as plan_main
 
 
 def launcher_config(monkeypatch, **env):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from tcal.app import CONF_DIR
+    from tcal.cli.app import CONF_DIR
 
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
@@ -41,7 +41,7 @@ def test_sbatch_kills_on_bad_exit_requeues_and_takes_the_plans_host_figure(monke
 
     launcher = launcher_config(monkeypatch, **exported)
     assert launcher["max_num_timeout"] >= 1  # requeues after a timeout or a preemption
-    sbatch = _make_sbatch_string("python -m tcal.app", tmp_path, setup=launcher["setup"], mem=f"{launcher['mem_gb']}GB",
+    sbatch = _make_sbatch_string("python -m tcal.cli.app", tmp_path, setup=launcher["setup"], mem=f"{launcher['mem_gb']}GB",
                                  cpus_per_task=launcher["cpus_per_task"], ntasks_per_node=launcher["tasks_per_node"],
                                  gpus_per_node=launcher["gpus_per_node"], nodes=launcher["nodes"],
                                  signal_delay_s=launcher["signal_delay_s"]).splitlines()

@@ -4,15 +4,15 @@ import math
 
 import pytest
 import torch
-from tcal.calibration.stats import (
+from conftest import FAMILIES
+from conftest import make_teacher as make_tiny_teacher
+
+from tcal.init.calibration.stats import (
     attn_implementation,
     blockwise_attention,
     collect_teacher_stats,
     register,
 )
-
-from conftest import FAMILIES
-from conftest import make_teacher as make_tiny_teacher
 
 T, BLOCK, VOCAB = 37, 16, 101
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import isolated_cache_dir
 
-from tcal.app import CONF_DIR
-from tcal.report import build_report
+from tcal.cli.app import CONF_DIR
+from tcal.tools.report import build_report
 
 TINY = ["experiment=smoke", "init=naive", "eval.num_windows=2", "save_student=false", "logger=none"]
 ONE_STEP = ["stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=64",
@@ -24,7 +24,7 @@ ONE_STEP = ["stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.ma
 def sweep(cache: str, sweep_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     """`tcal -m ...` into `sweep_dir`; its summary lines (one per failed job)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "tcal.app", "-m", *TINY, *args, f"hydra.sweep.dir={sweep_dir}",
+    done = subprocess.run([sys.executable, "-m", "tcal.cli.app", "-m", *TINY, *args, f"hydra.sweep.dir={sweep_dir}",
                            f"paths.cache_dir={cache}"],
                           cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=900)
     text = done.stderr.replace("\r", "\n")

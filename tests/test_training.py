@@ -17,12 +17,12 @@ from conftest import compose, isolated_cache_dir, make_teacher
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
-from tcal.app import CONF_DIR, recorded_run
-from tcal.convert import build_student
-import tcal.data
-from tcal.data import Document, forget_token_streams, load_splits, token_stream, tokenize_documents
+import tcal.data.documents
+from tcal.cli.app import CONF_DIR, recorded_run
+from tcal.data.documents import Document, forget_token_streams, load_splits, token_stream, tokenize_documents
 from tcal.errors import ConfigError
 from tcal.pipeline import prepare, run
+from tcal.student.convert import build_student
 from tcal.training import data as data_module
 from tcal.training.data import StepSampler, pack
 from tcal.training.kd import chunked_kd_loss
@@ -88,7 +88,7 @@ def test_chunked_kl_is_zero_for_identical_models_and_rejects_bad_input():
 
 
 def test_checkpointed_gdn_mixer_gives_the_same_output_and_gradients():
-    from tcal.gdn import GatedDeltaNet
+    from tcal.student.gdn import GatedDeltaNet
 
     torch.manual_seed(0)
     plain = GatedDeltaNet(32, 2, 16).train()
@@ -134,18 +134,19 @@ def test_pack_and_epochs():
 
 def test_token_cache_tokenizes_once(tmp_path, monkeypatch):
     from conftest import repo_cache_dir
+
     from tcal.teachers.load import load_tokenizer
 
     tokenizer = load_tokenizer(compose("teacher=tiny_llama").teacher, repo_cache_dir())
     docs = [Document("a", "To be, or not to be: that is the question."), Document("b", "All the world's a stage.")]
     first = token_stream(docs, tokenizer, tmp_path)
     assert torch.equal(first, tokenize_documents(docs, tokenizer))
-    monkeypatch.setattr(tcal.data, "tokenize_documents", lambda *a: pytest.fail("tokenized again"))
+    monkeypatch.setattr(tcal.data.documents, "tokenize_documents", lambda *a: pytest.fail("tokenized again"))
     assert torch.equal(token_stream(list(docs), tokenizer), first)  # this process remembers the stream
     forget_token_streams()
     assert torch.equal(token_stream(docs, tokenizer, tmp_path), first)  # another process: read from disk
     (next((tmp_path / "tokens").iterdir())).write_bytes(b"truncated")  # a damaged entry is rebuilt
-    monkeypatch.setattr(tcal.data, "tokenize_documents", tokenize_documents)
+    monkeypatch.setattr(tcal.data.documents, "tokenize_documents", tokenize_documents)
     assert torch.equal(token_stream(docs, tokenizer, tmp_path), first)
 
 
@@ -305,7 +306,7 @@ def test_kill_and_resume_gives_the_uninterrupted_run(tmp_path):
 def test_ddp_two_processes_count_both_ranks_and_end_identical(tmp_path):
     cache = isolated_cache_dir(tmp_path / "cache")
     run_dir = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "tcal.app", "experiment=smoke", f"paths.cache_dir={cache}", "init=zero_gate",
+    cmd = [sys.executable, "-m", "tcal.cli.app", "experiment=smoke", f"paths.cache_dir={cache}", "init=zero_gate",
            "eval.num_windows=2", "stage=distill", *TINY_STAGE, "stage.max_tokens=384", "stage.eval_every_tokens=128",
            "trainer=ddp", f"hydra.run.dir={run_dir}", "save_student=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -401,7 +402,7 @@ def test_sigkill_and_resume_from_the_command_line(tmp_path):
     run_dir = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cwd = Path(CONF_DIR).parent
-    proc = subprocess.Popen([sys.executable, "-m", "tcal.app", *overrides, f"hydra.run.dir={run_dir}"], cwd=cwd,
+    proc = subprocess.Popen([sys.executable, "-m", "tcal.cli.app", *overrides, f"hydra.run.dir={run_dir}"], cwd=cwd,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoint = run_dir / "checkpoints" / "distill" / "last.ckpt"
     deadline = time.time() + 300
@@ -410,7 +411,7 @@ def test_sigkill_and_resume_from_the_command_line(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert checkpoint.is_file() and read_results(run_dir)["status"] != "complete"
-    done = subprocess.run([sys.executable, "-m", "tcal.app", f"resume={run_dir}",
+    done = subprocess.run([sys.executable, "-m", "tcal.cli.app", f"resume={run_dir}",
                            f"hydra.run.dir={tmp_path / 'resume_log'}"], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -16,7 +16,7 @@ import torch
 from conftest import compose, repo_cache_dir
 from test_errors import run_fails
 
-from tcal.app import CONF_DIR, check_arguments
+from tcal.cli.app import CONF_DIR, check_arguments
 from tcal.errors import ConfigError
 
 # (overrides, the message's expected pattern); "{tmp}" stands for the test's tmp_path.
@@ -141,7 +141,7 @@ def test_the_table_covers_at_least_25_cases():
     assert len(CASES) >= 25 and len({tuple(o) for o, _ in CASES}) == len(CASES)
 
 
-# A value of the wrong type: the schema (tcal.config) refuses it while Hydra composes, naming the key.
+# A value of the wrong type: the schema (tcal.settings) refuses it while Hydra composes, naming the key.
 SCHEMA_CASES = [
     (["save_student=maybe"], "save_student", r"'maybe' is not a valid bool"),
     (["stage=distill", "stage.lr_rest=fast"], "stage.lr_rest", r"'fast' of type 'str' could not be converted to Float"),
@@ -202,7 +202,7 @@ def test_known_group_options_and_plain_keys_pass():
 
 def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TCAL_CACHE_DIR": repo_cache_dir()}
-    return subprocess.run([sys.executable, "-m", "tcal.app", "experiment=smoke", f"hydra.run.dir={tmp_path / 'run'}",
+    return subprocess.run([sys.executable, "-m", "tcal.cli.app", "experiment=smoke", f"hydra.run.dir={tmp_path / 'run'}",
                            *args], cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=300)
 
 

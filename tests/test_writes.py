@@ -17,7 +17,7 @@ import torch
 from conftest import make_teacher
 
 from tcal import api
-from tcal.results import (
+from tcal.store.files import (
     MANIFEST,
     WriteFailed,
     WriteRefused,
@@ -97,7 +97,7 @@ def test_a_file_where_a_folder_should_be_is_named(student, tmp_path):
 KILLED_WRITE = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
-    from tcal.results import write_atomic, write_folder_atomic
+    from tcal.store.files import write_atomic, write_folder_atomic
 
     def half_then_killed(tmp):
         tmp = Path(tmp)
@@ -141,7 +141,7 @@ def test_a_replace_killed_between_its_two_renames_is_undone_by_the_next_write(tm
     import socket
     aside = tmp_path / f".student.tcal-{socket.gethostname()}-{dead.pid}-abc123.old"
     write_folder_atomic(aside, lambda tmp: (tmp / "model.safetensors").write_text("first"))
-    from tcal.results import clean_stale
+    from tcal.store.files import clean_stale
     clean_stale(tmp_path / "student")
     assert (tmp_path / "student" / "model.safetensors").read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["student"]

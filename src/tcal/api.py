@@ -1,4 +1,4 @@
-"""The library from Python, without Hydra: typed settings (`tcal.config`) and objects in, objects out.
+"""The library from Python, without Hydra: typed settings (`tcal.settings`) and objects in, objects out.
 
     teacher = api.load_teacher(default_teacher())            # or tiny_teacher(): 4 random layers, for a quick try
     splits = api.load_data(DataSettings())
@@ -16,7 +16,7 @@ Every step is the CLI's equal (`step`): its arguments are checked against its an
 TypeError naming the step, the argument and what it expected); its settings checked themselves when they were built
 (`tcal.settings`), and the step checks what they need of the machine and the loaded teacher as `tcal` does
 (`tcal.preflight`, a ConfigError naming the key: also lengths past the teacher's context); a signal stops it with
-`tcal.signals.Interrupted` (SIGINT: a KeyboardInterrupt, never SystemExit).
+`tcal.runtime.signals.Interrupted` (SIGINT: a KeyboardInterrupt, never SystemExit).
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from pathlib import Path
 import torch
 
 from tcal.context import RunContext
-from tcal.data import Splits, load_splits
-from tcal.distributed import Ranks
+from tcal.data.documents import Splits, load_splits
 from tcal.preflight import check_budgets, check_fit, check_keep_list, check_ruler_room, check_trainer
 from tcal.retention import Selection
+from tcal.runtime.distributed import Ranks
+from tcal.runtime.signals import handling
 from tcal.settings import (
     CalibrationSettings,
     DataSettings,
@@ -55,7 +56,6 @@ from tcal.settings import (
     TrainerSettings,
     default_teacher,
 )
-from tcal.signals import handling
 
 PathLike = typing.Union[str, os.PathLike]
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def shown(value) -> str:
 
 def step(function):
     """A public step of the library: arguments checked against its annotations (TypeError naming the argument),
-    signals handled (`tcal.signals`)."""
+    signals handled (`tcal.runtime.signals`)."""
     signature = inspect.signature(function)
     hints = typing.get_type_hints(function)
 
@@ -185,7 +185,7 @@ def select_layers(teacher: Teacher, splits: Splits, retention: RetentionSettings
 def build_student(teacher: Teacher | torch.nn.Module, keep_layers: list | tuple, gqa_expansion: str = "whole_head",
                   seed: int = 0):
     """The hybrid student: `keep_layers` keep the teacher's attention, every other layer is a naive GDN."""
-    from tcal.convert import build_student as build
+    from tcal.student.convert import build_student as build
 
     model = teacher.model if isinstance(teacher, Teacher) else teacher
     return build(model, list(keep_layers), gqa_expansion, int(seed))
@@ -229,7 +229,7 @@ def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: S
     `tcal` runs (`tcal.pipeline`, which passes its ranks and a `progress`)."""
     import time
 
-    from tcal.rerun import holding_folder
+    from tcal.store.rerun import holding_folder
     from tcal.training.run import plan_stages, run_stage
 
     stage = stage or DistillSettings()
@@ -290,15 +290,10 @@ def evaluate(student: torch.nn.Module, teacher: Teacher, splits: Splits, eval: E
 def save(student: torch.nn.Module, tokenizer, folder: PathLike) -> Path:
     """save_pretrained of the student and tokenizer into `folder`, written whole or not at all. `folder` must be new,
     empty, or an earlier export of tcal (its manifest lists every file there): anything else there (a user's
-    notes.txt, the working folder) is refused, naming it, and nothing is deleted (`tcal.results`)."""
-    from tcal.results import write_folder_atomic
+    notes.txt, the working folder) is refused, naming it, and nothing is deleted (`tcal.student.export`)."""
+    from tcal.student.export import export_student
 
-    def write(tmp: Path) -> None:
-        student.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-
-    write_folder_atomic(Path(folder), write)  # a folder holding files tcal did not write is refused (WriteRefused)
-    return Path(folder)
+    return export_student(student, tokenizer, Path(folder))
 
 
 __all__ = ["Teacher", "StageProgress", "load_teacher", "load_data", "select_layers", "build_student", "initialize",

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from tcal.data.documents import Splits
+from tcal.runtime.distributed import Ranks
 from tcal.settings import RunSettings
-from tcal.data import Splits
-from tcal.distributed import Ranks
 
 
 @dataclass

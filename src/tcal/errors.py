@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable
+
+CONFIG_ERROR_EXIT = 2
 
 
 class ConfigError(ValueError):
@@ -47,3 +50,9 @@ def check_finite(value, divergence: Callable[[float], Divergence]) -> None:
     value = value.item() if hasattr(value, "item") else float(value)
     if not math.isfinite(value):
         raise divergence(value)
+
+
+def config_error_exit(err: Exception, program: str = "tcal") -> None:
+    """Print a configuration error on one line of stderr and exit with code 2 (what every console script does)."""
+    print(f"{program}: configuration error: {err}", file=sys.stderr, flush=True)
+    sys.exit(CONFIG_ERROR_EXIT)

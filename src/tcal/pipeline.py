@@ -5,11 +5,11 @@
 the steps of the Python API (`tcal.api`). What the settings need of the machine, the files and the teacher is
 checked once before anything is written (`tcal.preflight`); results.json is rewritten atomically after each step ("status" says how far
 the run got) and at every curve point, so a crash leaves a readable record. With `stage=none` the evaluation
-is zero-shot. A multi-device run starts its ranks first (`tcal.distributed`); every rank then holds the teacher
+is zero-shot. A multi-device run starts its ranks first (`tcal.runtime.distributed`); every rank then holds the teacher
 and the student on its own device, the per-layer work is split across ranks, the evaluations are Lightning
 validation over all ranks, and rank 0 writes results.json and exports.
-A resumed run keeps what its record held, and a failure or a signal (`tcal.signals`) marks the record "failed"
-(`tcal.record`).
+A resumed run keeps what its record held, and a failure or a signal (`tcal.runtime.signals`) marks the record "failed"
+(`tcal.store.record`).
 """
 
 from __future__ import annotations
@@ -20,18 +20,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
 from tcal import api
 from tcal.context import RunContext
-from tcal.distributed import Ranks
 from tcal.evaluate.suite import format_table
-from tcal.fingerprint import weights_digest
-from tcal.gdn import kernel_path
 from tcal.preflight import check_loaded, check_machine
-from tcal.record import RESULTS, new_record, read_record, records_failure, write_record
-from tcal.rerun import check_checkpoints, holds_folder
-from tcal.results import check_folder_target
+from tcal.runtime.distributed import Ranks
+from tcal.runtime.signals import handling
 from tcal.settings import RunSettings
-from tcal.signals import handling
+from tcal.store.files import check_folder_target
+from tcal.store.fingerprint import weights_digest
+from tcal.store.record import RESULTS, new_record, read_record, records_failure, write_record
+from tcal.store.rerun import check_checkpoints, holds_folder
+from tcal.student.gdn import kernel_path
 from tcal.tracking import finish, log_figures, make_logger
 from tcal.training.run import plan_stages
 
@@ -68,7 +69,7 @@ def prepare(settings: RunSettings, run_dir: Path, timings: dict, ranks: Ranks | 
 def run(settings: RunSettings, run_dir: str | Path, resume: bool = False, callbacks: list | None = None,
         ranks: Ranks | None = None) -> dict:
     """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint. `ranks`: this
-    process's place among the run's launched processes (`tcal.distributed.launch`); None is one process."""
+    process's place among the run's launched processes (`tcal.runtime.distributed.launch`); None is one process."""
     run_dir = Path(run_dir)
     ranks = ranks or Ranks()
     with ranks.together():  # a refusal or a failed load on any rank stops every rank with the same error

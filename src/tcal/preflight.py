@@ -19,7 +19,12 @@ import torch
 
 from tcal.errors import ConfigError
 from tcal.settings import RunSettings
-from tcal.settings.retention import ExplicitRetentionSettings, RecallRetentionSettings, ScoredRetentionSettings
+from tcal.settings.retention import (
+    ExplicitRetentionSettings,
+    RecallRetentionSettings,
+    ScoredRetentionSettings,
+    num_kept,
+)
 
 
 def check_machine(settings: RunSettings) -> None:
@@ -60,7 +65,7 @@ def check_trainer(trainer) -> None:
 
 def check_budgets(settings: RunSettings) -> None:
     """Each stage's budget holds at least one optimizer step of all the run's ranks."""
-    from tcal.distributed import world_size
+    from tcal.runtime.distributed import world_size
 
     ranks = world_size(settings.trainer)
     for key, stage in settings.stage.stages():
@@ -88,7 +93,7 @@ def check_cache_folder(cache_dir: str) -> None:
 def check_data_files(settings: RunSettings) -> None:
     data = settings.data
     if data.source == "datasets":
-        from tcal.data import check_dataset_reachable
+        from tcal.data.documents import check_dataset_reachable
 
         check_dataset_reachable(data)
     for key, paths in (("data.files", data.files if data.source == "files" else []), ("data.eval_files",
@@ -163,8 +168,6 @@ def check_teacher_shape(settings: RunSettings, num_layers: int | None, context: 
 
 
 def kept_layers(retention, num_layers: int) -> int:
-    from tcal.retention import num_kept
-
     return len(set(retention.keep)) if isinstance(retention, ExplicitRetentionSettings) else \
         num_kept(retention.ratio, num_layers)
 
@@ -172,7 +175,7 @@ def kept_layers(retention, num_layers: int) -> int:
 def check_keep_list(settings: RunSettings, num_layers: int) -> None:
     retention = settings.retention
     if isinstance(retention, ExplicitRetentionSettings):
-        from tcal.convert import validate_keep_layers
+        from tcal.student.convert import validate_keep_layers
 
         try:
             validate_keep_layers(list(retention.keep), num_layers)
@@ -208,10 +211,11 @@ def check_recall_room(ctx) -> None:
     retention = ctx.settings.retention
     if not isinstance(retention, RecallRetentionSettings) or kept_layers(retention, ctx.num_layers) == ctx.num_layers:
         return
-    from tcal.retention.recall import probe_sequences
+    from tcal.data.needles import probe_batch
 
     try:
-        probe_sequences(retention, ctx)
+        probe_batch(ctx.splits.calibration, ctx.tokenizer, retention.seq_len, retention.num_prompts,
+                    retention.probe_seed)
     except ValueError as err:
         raise ConfigError(f"retention.seq_len={retention.seq_len}: {err}") from None
 
@@ -236,7 +240,7 @@ def check_ruler_room(ctx, ruler=None) -> None:
 def check_split_tokens(ctx) -> None:
     """Each split holds the tokens its windows need: calibration batch (and its held-out check windows),
     scoring windows, evaluation windows per eval set (a short eval file is named)."""
-    from tcal.data import eval_sets, token_stream
+    from tcal.data.documents import eval_sets, token_stream
     from tcal.settings import CalibratedInitSettings, FullPlusSettings
 
     settings = ctx.settings

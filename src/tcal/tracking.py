@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
-from tcal.results import write_text_atomic
+from tcal.store.files import write_text_atomic
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:

@@ -13,9 +13,9 @@ import math
 import random
 from pathlib import Path
 
-from tcal.distributed import Ranks
 from tcal.hub import hub_reachable, offline_mode
-from tcal.results import write_text_atomic
+from tcal.runtime.distributed import Ranks
+from tcal.store.files import write_text_atomic
 
 CLOZE_TASK = "tcal_cloze"
 NEXTLINE_TASK = "tcal_nextline"

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from lm_eval.models.huggingface import HFLM
 
-from tcal.distributed import Ranks
+from tcal.runtime.distributed import Ranks
 
 log = logging.getLogger(__name__)
 

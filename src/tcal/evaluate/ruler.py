@@ -13,7 +13,9 @@ import string
 import torch
 from tqdm.auto import tqdm
 
-from tcal.settings.evaluation import NEEDLE_TASKS, RULER_TASKS as TASKS  # noqa: E402 - names live with the settings
+from tcal.settings.evaluation import NEEDLE_TASKS
+from tcal.settings.evaluation import RULER_TASKS as TASKS
+
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 
 _ADJECTIVES = ("amber", "brisk", "calm", "dusky", "eager", "fallow", "gentle", "hollow", "idle", "jolly",
@@ -148,7 +150,7 @@ def score_ruler(model, tokenizer, documents: list[str], lengths=DEFAULT_LENGTHS,
     """Exact-match accuracy of greedy generation: {str(length): {task: score}}.
 
     Without `max_new_tokens`, each example may generate its answer's token count plus 8. With `desc`, a progress
-    bar counts the examples. With `ranks` (`tcal.distributed.Ranks`, every rank calling), each rank generates its
+    bar counts the examples. With `ranks` (`tcal.runtime.distributed.Ranks`, every rank calling), each rank generates its
     share of every task's examples and the hit counts are summed over the ranks: every rank gets the scores.
     """
     counts = ruler_hits(model, tokenizer, documents, lengths, tasks, n, seed, max_new_tokens, desc,

@@ -14,11 +14,11 @@ import logging
 
 import torch
 
-from tcal.cache import get_or_build, json_codec
-from tcal.data import Document, eval_sets, token_windows
+from tcal.data.documents import Document, eval_sets, token_windows
 from tcal.evaluate.validation import validate_windows
-from tcal.fingerprint import digest, teacher_fingerprint, tokenizer_digest
 from tcal.settings.relevance import cache_settings
+from tcal.store.cache import get_or_build, json_codec
+from tcal.store.fingerprint import digest, teacher_fingerprint, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def _docs_digest(docs: list[Document]) -> str:
 
 
 def cached_teacher(ctx, kind: str, settings, compute, collective: bool = False):
-    """`compute()` for the teacher, memoized on disk (`tcal.cache`, kind `teacher_eval`) by teacher weights,
+    """`compute()` for the teacher, memoized on disk (`tcal.store.cache`, kind `teacher_eval`) by teacher weights,
     `kind` and `settings`. `collective`: every rank calls this and `compute` runs on all of them together."""
     key = digest(teacher_fingerprint(ctx.teacher), tokenizer_digest(ctx.tokenizer), kind, settings)
     codec = json_codec(lambda value: {"kind": kind, "settings": settings, "value": value})
@@ -156,7 +156,7 @@ def in_run_precision(ctx):
 
 def evaluate(ctx, student) -> dict:
     """The results.json entries of the zero-shot evaluation, `metrics`, `harness` and `ruler` (their fields:
-    `tcal.record`). Every rank computes its share of each; the harness's figures are kept on rank 0 only."""
+    `tcal.store.record`). Every rank computes its share of each; the harness's figures are kept on rank 0 only."""
     out = {"metrics": perplexities(ctx, student)}
     ruler_scores = ruler(ctx, student)
     harness_scores = harness(ctx, student)

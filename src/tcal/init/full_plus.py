@@ -2,9 +2,9 @@
 rules and alignment objective as `full`, with the recipe the measurements support: the Phase 1 rules named in the
 config only, Phase 2 on minibatches of a calibration-split pool, the state kept by held-out loss."""
 
-from tcal.calibration.calibrate import calibration_store
-from tcal.calibration.pool import CalibrationPool, calibrate_on_pool, calibration_pool, pool_windows
 from tcal.init import INIT_MODES
+from tcal.init.calibration.calibrate import calibration_store
+from tcal.init.calibration.pool import CalibrationPool, calibrate_on_pool, calibration_pool, pool_windows
 from tcal.settings.relevance import cache_settings
 
 

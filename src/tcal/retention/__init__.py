@@ -20,13 +20,5 @@ class Selection:
     details: dict = field(default_factory=dict)  # what a policy measured besides the scores (results.json)
 
 
-def num_kept(ratio: float, num_layers: int) -> int:
-    """K = round(ratio * L), halves rounded up, at least 1; ratio must lie in (0, 1]."""
-    ratio = float(ratio)
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"retention.ratio={ratio} must lie in (0, 1]")
-    return max(1, min(num_layers, int(ratio * num_layers + 0.5)))
-
-
 def select_layers(cfg, ctx) -> Selection:
     return POLICIES[cfg.name](cfg, ctx)

@@ -13,10 +13,10 @@ from contextlib import contextmanager
 import torch
 from tqdm.auto import tqdm
 
-from tcal.distributed import Ranks
 from tcal.evaluate.perplexity import perplexity
 from tcal.retention import POLICIES, Selection
 from tcal.retention.cache import scored_selection, scoring_windows
+from tcal.runtime.distributed import Ranks
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)

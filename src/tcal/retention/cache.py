@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
-from tcal.cache import Codec, get_or_build, json_codec
-from tcal.data import token_stream, token_windows
-from tcal.fingerprint import digest, teacher_fingerprint, tensor_bytes
+from tcal.data.documents import token_stream, token_windows
 from tcal.settings.relevance import cache_settings
+from tcal.store.cache import Codec, get_or_build, json_codec
+from tcal.store.fingerprint import digest, teacher_fingerprint, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def score_codec(key: str, parts: dict) -> Codec[dict[int, float]]:
 
 
 def cached_scores(cfg, ctx, score: Callable[[], dict[int, float]], also: tuple[str, ...] = ()) -> dict[int, float]:
-    """Per-layer scores from the cache (`tcal.cache`, kind `retention`), or from `score()` (then saved)."""
+    """Per-layer scores from the cache (`tcal.store.cache`, kind `retention`), or from `score()` (then saved)."""
     key, parts = selection_key(cfg, ctx, also)
 
     def compute() -> dict[int, float]:
@@ -86,7 +86,8 @@ def top_k(scores: dict[int, float], k: int, highest: bool) -> list[int]:
 
 def scored_selection(cfg, ctx, score: Callable[[], dict[int, float]], highest: bool, also: tuple[str, ...] = ()):
     """Keep the K best-scoring layers (cached scores); K = L keeps everything without scoring."""
-    from tcal.retention import Selection, num_kept
+    from tcal.retention import Selection
+    from tcal.settings.retention import num_kept
 
     num_layers = ctx.num_layers
     k = num_kept(cfg.ratio, num_layers)

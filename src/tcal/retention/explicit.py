@@ -1,7 +1,7 @@
 """`explicit`: the layers listed in `retention.keep`."""
 
-from tcal.convert import validate_keep_layers
 from tcal.retention import POLICIES, Selection
+from tcal.student.convert import validate_keep_layers
 
 
 @POLICIES.register("explicit")

@@ -17,13 +17,14 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from tcal.convert import build_student, naive_gdn
 from tcal.evaluate.perplexity import perplexity
-from tcal.hybrid import LINEAR, HybridForCausalLM, teacher_layer_types
 from tcal.init import apply_init
-from tcal.retention import POLICIES, Selection, num_kept
+from tcal.retention import POLICIES, Selection
 from tcal.retention.cache import scored_selection, scoring_windows
 from tcal.settings.fields import INIT
+from tcal.settings.retention import num_kept
+from tcal.student.convert import build_student, naive_gdn
+from tcal.student.hybrid import LINEAR, HybridForCausalLM, teacher_layer_types
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)

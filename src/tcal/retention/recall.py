@@ -2,7 +2,7 @@
 
 A perplexity score is blind to retrieval: on ordinary text few tokens need an exact copy from far back, so the
 layers that do the copying cost little perplexity when they go. This policy probes retrieval directly. On
-`num_prompts` synthetic sequences cut from the calibration split (`tcal.needles`: key-value statements hidden in
+`num_prompts` synthetic sequences cut from the calibration split (`tcal.data.needles`: key-value statements hidden in
 the split's text, then one key asked back), teacher-forced, it measures for every layer i, in one forward:
 
     A_i = mean NLL of the answer tokens (the asked value)    T_i = mean NLL of the ordinary text tokens
@@ -35,29 +35,25 @@ from contextlib import contextmanager
 import torch
 from tqdm.auto import tqdm
 
-from tcal.cache import get_or_build, json_codec
-from tcal.data import token_stream
+from tcal.data.needles import ANSWER, TEXT, probe_batch
 from tcal.evaluate.perplexity import token_nll
-from tcal.settings.fields import INIT
-from tcal.needles import ANSWER, TEXT, RetrievalSequences, key_words
-from tcal.retention import POLICIES, Selection, num_kept
+from tcal.retention import POLICIES, Selection
 from tcal.retention.ar import attention_bypassed
 from tcal.retention.cache import score_folder, selection_key, top_k
 from tcal.retention.uniform import uniform_layers
+from tcal.settings.fields import INIT
+from tcal.settings.retention import FILLS, PROBES, num_kept
+from tcal.store.cache import get_or_build, json_codec
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
 
-from tcal.settings.retention import FILLS, PROBES  # noqa: E402 - the names live with the settings
-from tcal.settings.retention import MIN_PROBE_LEN as MIN_SEQ_LEN  # noqa: E402
 
 
 def probe_sequences(cfg, ctx) -> tuple[torch.Tensor, torch.Tensor]:
     """([num_prompts, seq_len] ids, labels) cut from the calibration split, drawn from `probe_seed`."""
-    docs = ctx.splits.calibration
-    builder = RetrievalSequences(token_stream(docs, ctx.tokenizer), key_words("\n".join(d.text for d in docs)),
-                                 ctx.tokenizer, int(cfg.seq_len))
-    return builder.batch(f"recall:{int(cfg.probe_seed)}", int(cfg.num_prompts))
+    return probe_batch(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_prompts),
+                       int(cfg.probe_seed))
 
 
 @torch.no_grad()

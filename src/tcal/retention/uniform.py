@@ -1,6 +1,7 @@
 """`uniform`: every (L / K)-th layer from layer 0 (L=28, K=7: 0, 4, ..., 24)."""
 
-from tcal.retention import POLICIES, Selection, num_kept
+from tcal.retention import POLICIES, Selection
+from tcal.settings.retention import num_kept
 
 
 def uniform_layers(num_layers: int, ratio: float) -> list[int]:

@@ -12,8 +12,8 @@ from tcal.settings.fields import (
     INIT,
     NOTHING,
     Key,
-    Settings,
     SettingError,
+    Settings,
     bad,
     declared,
     distinct_names,
@@ -27,11 +27,11 @@ from tcal.settings.fields import (
     setting,
     window_length,
 )
+from tcal.settings.schedule import SCHEDULES
 
-GQA_EXPANSIONS = ("whole_head", "row_repeat")  # how a KV head serves its query heads in the GDN (tcal.convert)
+GQA_EXPANSIONS = ("whole_head", "row_repeat")  # how a KV head serves its query heads in the GDN (tcal.student.convert)
 PHASES = ("phase1", "phase2")
-PHASE1_RULES = ("decay", "write_gate", "value_scale", "output_gate")  # in the order they run (tcal.calibration)
-SCHEDULES = ("constant", "cosine")
+PHASE1_RULES = ("decay", "write_gate", "value_scale", "output_gate")  # in the order they run (tcal.init.calibration.phase1)
 
 
 @declared

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from tcal.settings.fields import (
-    REQUIRED,
     KEEP,
     NOTHING,
+    REQUIRED,
     SCORES,
     Key,
-    Settings,
     SettingError,
+    Settings,
     bad,
     declared,
     is_int,
@@ -26,6 +26,14 @@ from tcal.settings.fields import (
 PROBES = ("bypass", "gdn")  # recall's probe: a layer's attention output zeroed, or replaced by its initialized GDN
 FILLS = ("text", "uniform")  # how recall places the kept layers its score does not choose
 MIN_PROBE_LEN = 128  # a retrieval sequence holds needles, a question and an answer besides its text
+
+
+def num_kept(ratio: float, num_layers: int) -> int:
+    """K = round(ratio * L), halves rounded up, at least 1; ratio must lie in (0, 1]."""
+    ratio = float(ratio)
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"retention.ratio={ratio} must lie in (0, 1]")
+    return max(1, min(num_layers, int(ratio * num_layers + 0.5)))
 
 
 def check_ratio(ratio) -> None:

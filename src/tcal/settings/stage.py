@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from tcal.settings.fields import (
-    REQUIRED,
     NOTHING,
+    REQUIRED,
     TRAIN,
     Key,
-    Settings,
     SettingError,
+    Settings,
     declared,
     fraction,
     is_number,
@@ -25,7 +25,7 @@ from tcal.settings.fields import (
     setting,
     window_length,
 )
-from tcal.settings.init import SCHEDULES
+from tcal.settings.schedule import SCHEDULES
 from tcal.settings.teacher import DTYPES
 
 KINDS = ("align", "distill")

@@ -5,7 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tcal.settings.fields import REQUIRED, EVERYTHING, NOTHING, Key, Settings, SettingError, bad, declared, one_of, setting
+from tcal.settings.fields import (
+    EVERYTHING,
+    NOTHING,
+    REQUIRED,
+    Key,
+    SettingError,
+    Settings,
+    bad,
+    declared,
+    one_of,
+    setting,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

@@ -8,13 +8,13 @@ from typing import Any, Optional
 
 from tcal.settings.fields import (
     EVALUATION,
+    INIT,
     NOTHING,
     SCORES,
-    INIT,
     TRAIN,
     Key,
-    Settings,
     SettingError,
+    Settings,
     bad,
     declared,
     is_int,

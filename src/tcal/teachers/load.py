@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 
-from tcal.cache import key_lock
 from tcal.errors import ConfigError
 from tcal.hub import hub_offline, looks_local
-from tcal.results import write_folder_atomic
+from tcal.store.cache import key_lock
+from tcal.store.files import write_folder_atomic
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Training data: the training split tokenized once, packed into fixed-length windows, served by token budget.
 
-The token stream of a split is cached on disk (`tcal.data.token_stream`, `paths.cache_dir/tokens/`), so the
+The token stream of a split is cached on disk (`tcal.data.documents.token_stream`, `paths.cache_dir/tokens/`), so the
 runs of a sweep tokenize once. Only the training split is read here: calibration and evaluation documents never
 reach a training batch.
 
@@ -11,7 +11,7 @@ the batches an uninterrupted run would have seen, with no sampler state to save.
 
 The retrieval mix (`data.retrieval_mix` = f > 0, default 0: off) replaces the samples of global index g with
 floor((g + 1) f) > floor(g f), exactly a fraction f of every run of samples (one in four of each batch of 4 at
-f = 0.25), by synthetic retrieval sequences of the same length (`tcal.needles`: key-value statements in text of
+f = 0.25), by synthetic retrieval sequences of the same length (`tcal.data.needles`: key-value statements in text of
 the training split, then one asked back), sequence g drawn from the seed and g alone. They are ordinary samples to
 the stages: trained on and counted in `tokens_seen` like any window.
 """
@@ -27,10 +27,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from tcal.settings import derived_seed
-from tcal.data import Document, token_stream
+from tcal.data.documents import Document, token_stream
+from tcal.data.needles import RetrievalSequences, key_words
 from tcal.errors import ConfigError
-from tcal.needles import RetrievalSequences, key_words
+from tcal.settings import derived_seed
 
 log = logging.getLogger(__name__)
 

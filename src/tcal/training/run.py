@@ -1,6 +1,6 @@
 """Running the stages of the `stage` setting after the init: planning (checked before any work), Lightning Trainers,
-checkpoints and resume, the Stage 1 cache (`tcal.cache`, kind `stage1`), and the stage records of results.json
-(their fields: `tcal.record`).
+checkpoints and resume, the Stage 1 cache (`tcal.store.cache`, kind `stage1`), and the stage records of results.json
+(their fields: `tcal.store.record`).
 
 `stage=none` has no stages; `align` and `distill` have one; `align_distill` runs `stage.align` then
 `stage.distill`. Budgets are tokens: a stage runs max_tokens // (batch_size * seq_len * world size) steps and
@@ -22,16 +22,16 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from tcal.cache import Codec, get_or_build, tensor_codec
+from tcal.data.documents import eval_sets, token_windows
+from tcal.evaluate.validation import eval_dataloaders
+from tcal.runtime.distributed import world_size
 from tcal.settings import TrainerSettings
 from tcal.settings.relevance import cache_settings
-from tcal.data import eval_sets, token_windows
-from tcal.distributed import world_size
-from tcal.evaluate.validation import eval_dataloaders
-from tcal.fingerprint import digest, plain, teacher_fingerprint, weights_digest
-from tcal.record import is_stage_record
-from tcal.results import atomic_checkpoint_io
-from tcal.rerun import checkpoint_progress
+from tcal.store.cache import Codec, get_or_build, tensor_codec
+from tcal.store.files import atomic_checkpoint_io
+from tcal.store.fingerprint import digest, plain, teacher_fingerprint, weights_digest
+from tcal.store.record import is_stage_record
+from tcal.store.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
 from tcal.tracking import drop_rows_after
 from tcal.training.data import PackedTextDataModule
@@ -223,7 +223,7 @@ def unsharded_student(trainer, student, ctx, kind: str):
 def rebuilt_from(student, state: dict):
     """A plain `HybridForCausalLM` of `student`'s config holding the tensors of `state` (assigned, not copied) and
     `student`'s buffers (the RoPE frequencies are not in a state dict)."""
-    from tcal.hybrid import HybridForCausalLM
+    from tcal.student.hybrid import HybridForCausalLM
 
     with torch.device("meta"):
         fresh = HybridForCausalLM(student.config)

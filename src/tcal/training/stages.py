@@ -14,11 +14,11 @@ from typing import Callable
 
 import torch
 
-from tcal.calibration.align import alignment_loss, capture_teacher_io
-from tcal.evaluate.validation import PerplexityValidation, is_sharded
 from tcal.errors import Divergence, check_finite
-from tcal.fingerprint import weights_digest
-from tcal.schedule import lr_factor
+from tcal.evaluate.validation import PerplexityValidation, is_sharded
+from tcal.settings.schedule import lr_factor
+from tcal.store.fingerprint import weights_digest
+from tcal.student.alignment import alignment_loss, capture_teacher_io
 from tcal.tracking import curve_metric, tokens_metric
 from tcal.training.kd import chunked_kd_loss
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from tcal.cache import get_or_build, tensor_codec
 from tcal.errors import ConfigError, DataError, HubUnavailable
-from tcal.fingerprint import digest
+from tcal.store.cache import get_or_build, tensor_codec
+from tcal.store.fingerprint import digest
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def forget_token_streams() -> None:
 def token_stream(docs: list[Document], tokenizer, cache_dir: str | Path | None = None) -> torch.Tensor:
     """All documents tokenized and joined with the EOS token, as one 1D LongTensor: the one way a split becomes
     tokens. A process tokenizes the same documents once; with `cache_dir` the stream is also an on-disk entry
-    (`tcal.cache`, kind `tokens`, keyed by the tokenizer's vocabulary and the documents' names and text), so
+    (`tcal.store.cache`, kind `tokens`, keyed by the tokenizer's vocabulary and the documents' names and text), so
     the runs of a sweep tokenize once. The tensor is shared: callers slice or copy it, never write into it."""
     if cache_dir is None:
         return _remembered_stream(docs, tokenizer)

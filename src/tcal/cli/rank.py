@@ -1,6 +1,6 @@
-"""The ranks of one job: started by the job's own process, one fresh set per job (`python -m tcal.rank SPEC`).
+"""The ranks of one job: started by the job's own process, one fresh set per job (`python -m tcal.cli.rank SPEC`).
 
-A multi-device run that nothing else started ranks for (`tcal.distributed.starts_ranks`) runs like this: the
+A multi-device run that nothing else started ranks for (`tcal.runtime.distributed.starts_ranks`) runs like this: the
 job's process (a `tcal` run, or one job of `tcal -m`) converts its settings and decides what its folder holds,
 once; then `run_ranks` writes the settings to a scratch file and starts one process per device, each
 given RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK and MASTER_ADDR/MASTER_PORT (a free port per job). Lightning's
@@ -8,7 +8,7 @@ default environment sees LOCAL_RANK and treats them as started from outside: it 
 so a sweep runs once, in one sweep folder, with one folder per job.
 
 The job's process waits for its ranks. When one fails, the others get `STOP_GRACE_S` to stop on their own
-(a shared decision makes every rank raise the same error at once, `tcal.distributed`); those still running
+(a shared decision makes every rank raise the same error at once, `tcal.runtime.distributed`); those still running
 after that (waiting in a collective on the failed rank) are stopped. The ranks' failure becomes the job's:
 the error a rank reported (a ConfigError, exit code 2; a Divergence; any other error as `RankFailed`), or
 how the first rank to fail died. The next job starts fresh processes and a fresh process group.
@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tcal.signals import Interrupted, as_interrupt
+from tcal.runtime.signals import Interrupted, as_interrupt
 
-log = logging.getLogger("tcal.rank")  # also when run as __main__
+log = logging.getLogger("tcal.cli.rank")  # also when run as __main__
 
 # How long the other ranks get to stop on their own once one rank failed: a rank that raised a shared error is
 # on its way out, but ending a torch process takes seconds on a loaded machine.
@@ -79,9 +79,9 @@ def run_ranks(settings, run_dir: Path, resume: bool) -> None:
     """Run `settings` (a `RunSettings`) in `run_dir` on the trainer's ranks, started here and waited for; raises
     the ranks' failure (after marking the record failed: the rank that writes it may have been stopped before it
     could)."""
-    from tcal.distributed import world_size
     from tcal.errors import ConfigError
-    from tcal.record import describe, record_failure
+    from tcal.runtime.distributed import world_size
+    from tcal.store.record import describe, record_failure
 
     world = world_size(settings.trainer)
     address, port = meeting_point(int(settings.trainer.num_nodes))
@@ -98,7 +98,7 @@ def run_ranks(settings, run_dir: Path, resume: bool) -> None:
         try:
             for rank in range(world):
                 env = {**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                processes[rank] = subprocess.Popen([sys.executable, "-m", "tcal.rank", str(spec)], env=env,
+                processes[rank] = subprocess.Popen([sys.executable, "-m", "tcal.cli.rank", str(spec)], env=env,
                                                    stdin=subprocess.DEVNULL)
             failed = wait_for_ranks(processes)
         except (Interrupted, KeyboardInterrupt) as err:  # the ranks get the job's signal: each records it
@@ -198,7 +198,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def report(folder: Path, rank: int, error: Exception) -> None:
-    from tcal.results import write_json_atomic
+    from tcal.store.files import write_json_atomic
 
     write_json_atomic(folder / f"rank_{rank}.json", {"rank": rank, "type": type(error).__name__,
                                                      "message": str(error), "time": time.time()})
@@ -209,10 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.core.utils import configure_log
     from omegaconf import OmegaConf
 
-    from tcal.distributed import launch
     from tcal.errors import ConfigError, Divergence
-    from tcal.record import describe
+    from tcal.runtime.distributed import launch
     from tcal.settings.compose import run_settings
+    from tcal.store.record import describe
 
     spec = json.loads(Path((argv if argv is not None else sys.argv[1:])[0]).read_text(encoding="utf-8"))
     die_with_parent(int(spec["parent"]))
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         from tcal.pipeline import run
 
         run(settings, Path(spec["run_dir"]), resume=bool(spec["resume"]), ranks=launch(settings.trainer))
-    except (Interrupted, KeyboardInterrupt) as err:  # the record says so (tcal.record); the job's process exits
+    except (Interrupted, KeyboardInterrupt) as err:  # the record says so (tcal.store.record); the job's process exits
         interrupt = as_interrupt(err)
         log.warning("rank %d of %d stops: %s", rank, world, interrupt)
         sys.exit(interrupt.exit_code)

@@ -11,8 +11,8 @@ interrupt by SIGINT becomes `KeyboardInterrupted`, a KeyboardInterrupt, so that 
 noted in the log and otherwise ignored, so the record of the interrupt is written whole.
 
 What an interrupt leaves: the run's record `failed`, its error `interrupted by SIGTERM (signal 15)` and the
-status it had reached (`tcal.record.records_failure`); `tcal` exits with 128 + the signal's number
-(`tcal.app`); a sweep lists the job it stopped and the jobs that did not run (`tcal.sweep`). A resume continues
+status it had reached (`tcal.store.record.records_failure`); `tcal` exits with 128 + the signal's number
+(`tcal.cli.app`); a sweep lists the job it stopped and the jobs that did not run (`tcal.cli.sweep`). A resume continues
 from the last checkpoint, as after a kill.
 """
 

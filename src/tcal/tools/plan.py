@@ -191,13 +191,13 @@ def kernels_of(device_type: str, on_meta: bool):
     """On the meta device, the fused kernels of `device_type` ("cpu" or "cuda") stand in: flash attention for SDPA,
     and on CUDA fla's chunk kernel for the delta rule (the CPU path is plain torch and is traced as it is). Real
     tensors run the real kernels."""
-    import tcal.gdn
+    import tcal.student.gdn
 
     with contextlib.ExitStack() as stack:
         if on_meta:
             stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention", _flash_attention))
         if on_meta and device_type == "cuda":
-            stack.enter_context(mock.patch.object(tcal.gdn, "gated_delta_rule", _fla_chunk))
+            stack.enter_context(mock.patch.object(tcal.student.gdn, "gated_delta_rule", _fla_chunk))
         yield
 
 
@@ -287,7 +287,7 @@ def trace_decoder(student, batch: int, seq_len: int, device_type: str) -> LayerT
 def trace_alignment(gdn, batch: int, seq_len: int, input_dtype: torch.dtype, device_type: str) -> tuple[int, int]:
     """(bytes inside the mixer, bytes outside it) kept for backward by Phase 2's / Stage 1's alignment loss of one
     GDN (meta device, or real tensors) on teacher-forced inputs of `input_dtype` (the inputs are not counted)."""
-    from tcal.calibration.align import alignment_loss
+    from tcal.student.alignment import alignment_loss
 
     device = next(gdn.parameters()).device
     x, target = (torch.randn(batch, seq_len, gdn.hidden_size, dtype=input_dtype, device=device) for _ in range(2))
@@ -321,7 +321,7 @@ class Model:
 
 
 def build_model(settings, keep_layers: list[int]) -> Model:
-    from tcal.convert import meta_student
+    from tcal.student.convert import meta_student
     from tcal.teachers.load import meta_model, parameter_count, teacher_architecture
 
     config = teacher_architecture(settings.teacher, settings.paths.cache_dir)
@@ -334,8 +334,8 @@ def build_model(settings, keep_layers: list[int]) -> Model:
 def retention_plan(settings, num_layers: int) -> dict:
     """The kept layers: computed for `uniform` and `explicit`; for scored policies only their count is known
     before the real teacher is scored (the plan counts them at uniform positions: every layer has the same size)."""
-    from tcal.retention import num_kept
     from tcal.retention.uniform import uniform_layers
+    from tcal.settings.retention import num_kept
 
     ret = settings.retention
     if ret.name == "explicit":
@@ -529,7 +529,7 @@ def calibration_work(settings, n_gdn: int) -> CalibrationWork | None:
     """`init=full_plus`: its pool (`init.pool.tokens` in windows of `calibration.seq_len`, `init.phase2.batch_size`);
     `phase1` / `phase2` / `full`: the calibration batch and its held-out check windows (`calibration.*`); None for
     inits that do not calibrate."""
-    from tcal.calibration.pool import pool_windows
+    from tcal.init.calibration.pool import pool_windows
 
     init, cal = settings.init, settings.calibration
     if init.name == "full_plus":
@@ -550,7 +550,7 @@ def calibration_memory(settings, model: Model, device_type: str) -> StageMemory:
     statistics forward (an estimate: one layer's MLP and residual tensors and the blockwise attention scores) and
     Phase 2 of one layer (its teacher-forced tensors on the device, the layer trained in float32 with AdamW and a
     best-state copy, its activations). The statistics are held in host memory (`host_gb`)."""
-    from tcal.convert import meta_student
+    from tcal.student.convert import meta_student
 
     config = model.teacher_config
     teacher_bytes = dtype_bytes(getattr(torch, str(settings.teacher.dtype)))
@@ -609,10 +609,10 @@ def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HE
     """The plan of a run's settings (see the module docstring) as one JSON-ready object. A stage fits when
     its peak plus `headroom_gb` (CUDA's context, the caching allocator's fragmentation, NCCL's buffers, kernels'
     workspaces: what the plan does not count) is at most `device_gb`."""
-    from tcal.retention.uniform import uniform_layers
-    from tcal.teachers.load import teacher_architecture
-    from tcal.distributed import world_size
     from tcal.preflight import check_plan
+    from tcal.retention.uniform import uniform_layers
+    from tcal.runtime.distributed import world_size
+    from tcal.teachers.load import teacher_architecture
 
     if headroom_gb < 0 or headroom_gb >= device_gb:
         raise ConfigError(f"--headroom-gb {headroom_gb:g}: expected 0 <= headroom < the device's {device_gb:g} GB")
@@ -736,7 +736,7 @@ def label_of(overrides: list[str]) -> str:
 
 def main(argv=None) -> None:
     """The `tcal-plan` console script."""
-    from tcal.app import config_error_exit
+    from tcal.errors import config_error_exit
     from tcal.settings.compose import compose_here, hydra_configs, planned_jobs, run_settings
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,19 +15,20 @@ from typing import Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from tcal.cache import get_or_build_each, tensor_codec
-from tcal.calibration.align import align_layer, alignment_metrics
-from tcal.calibration.phase1 import apply_phase1
-from tcal.calibration.stats import collect_teacher_stats
-from tcal.data import between_windows, token_windows
-from tcal.distributed import Ranks
-from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
-from tcal.gdn import GatedDeltaNet
+from tcal.data.documents import between_windows, token_windows
+from tcal.init.calibration.align import align_layer
+from tcal.init.calibration.phase1 import apply_phase1
+from tcal.init.calibration.stats import collect_teacher_stats
+from tcal.runtime.distributed import Ranks
+from tcal.settings.init import PHASES
 from tcal.settings.relevance import cache_settings
+from tcal.store.cache import get_or_build_each, tensor_codec
+from tcal.store.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
+from tcal.student.alignment import alignment_metrics
+from tcal.student.gdn import GatedDeltaNet
 
 log = logging.getLogger(__name__)
 
-from tcal.settings.init import PHASES  # noqa: E402 - the names live with the settings
 
 
 def calibration_batch(ctx, cfg) -> torch.Tensor:
@@ -72,7 +73,7 @@ def artifact_key(teacher, layer: int, phases, batch: torch.Tensor, settings: dic
 
 class ArtifactStore:
     """Where calibrated layers are cached: one safetensors file per layer, its GDN state dict with its
-    calibration record as JSON metadata (`tcal.cache`, kind `calibration`). `folder=None`: no cache."""
+    calibration record as JSON metadata (`tcal.store.cache`, kind `calibration`). `folder=None`: no cache."""
 
     def __init__(self, folder: Path | None):
         self.folder = Path(folder) if folder is not None else None
@@ -115,7 +116,7 @@ def calibrate_shared(gdns: dict[int, GatedDeltaNet], keys: dict[int, str], store
     """Each layer read from the cache (its weights loaded in place, its record marked cached) or calibrated:
     the layers not in the cache are calibrated together by `calibrate_some(layers)` (yielding each layer's
     record as it is done, so each is cached at once), split across ranks, and every rank receives every layer's
-    weights and record. Each layer is built once however many ranks and jobs need it (`tcal.cache`)."""
+    weights and record. Each layer is built once however many ranks and jobs need it (`tcal.store.cache`)."""
 
     def build_some(todo: list[int]):
         for i, record in calibrate_split(todo, gdns, ranks, calibrate_some):

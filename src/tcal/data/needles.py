@@ -119,3 +119,13 @@ class RetrievalSequences:
         """([n, seq_len] ids, [n, seq_len] labels): sequence i drawn from `random.Random(f"{seed}:{i}")`."""
         made = [self.make(random.Random(f"{seed}:{i}")) for i in range(n)]
         return torch.stack([m.ids for m in made]), torch.stack([m.labels for m in made])
+
+
+def probe_batch(docs, tokenizer, seq_len: int, num_prompts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([num_prompts, seq_len] ids, labels) of retrieval sequences cut from `docs` (the calibration split, for
+    `retention=recall`'s probe), drawn from `seed`; ValueError when the documents or the length leave no room."""
+    from tcal.data.documents import token_stream
+
+    builder = RetrievalSequences(token_stream(docs, tokenizer), key_words("\n".join(d.text for d in docs)), tokenizer,
+                                 int(seq_len))
+    return builder.batch(f"recall:{int(seed)}", int(num_prompts))

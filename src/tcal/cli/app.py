@@ -7,11 +7,11 @@ with one bad job runs none.
 
 Run again into a folder that already holds a run of the same settings (`hydra.sweep.dir=` of a finished or
 interrupted sweep), a finished run is skipped and an unfinished one continues from its last checkpoint, so a
-rerun of a sweep does no work twice; a folder holding a run of other settings is refused (`tcal.rerun`).
+rerun of a sweep does no work twice; a folder holding a run of other settings is refused (`tcal.store.rerun`).
 `tcal resume=RUN_DIR` does the same for the run recorded there; overrides on resume must change nothing of its
-result. In a sweep (`-m`), a failing job is recorded in its folder and the others run (`tcal.sweep`).
+result. In a sweep (`-m`), a failing job is recorded in its folder and the others run (`tcal.cli.sweep`).
 
-SIGTERM, SIGINT or SIGUSR1 (`tcal.signals`) leave the record saying so, print one line (a sweep: one per job
+SIGTERM, SIGINT or SIGUSR1 (`tcal.runtime.signals`) leave the record saying so, print one line (a sweep: one per job
 that did not run) and exit with 128 + the signal's number; a write the filesystem refuses is one line, exit 1.
 """
 
@@ -21,9 +21,9 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from tcal.errors import ConfigError, Divergence
-from tcal.record import RESULTS, RecordError, load_record, read_record
-from tcal.results import WriteFailed, in_the_way
+from tcal.cli.sweep import failed_jobs, interrupted_lines, sweep_job
+from tcal.errors import ConfigError, Divergence, config_error_exit
+from tcal.runtime.signals import Interrupted, handling
 from tcal.settings import RunSettings
 from tcal.settings.compose import (
     CONF,
@@ -36,11 +36,10 @@ from tcal.settings.compose import (
     register_schemas,
     run_settings,
 )
-from tcal.signals import Interrupted, handling
-from tcal.sweep import failed_jobs, interrupted_lines, sweep_job
+from tcal.store.files import WriteFailed, in_the_way
+from tcal.store.record import RESULTS, RecordError, load_record, read_record
 
 CONF_DIR = str(CONF)
-CONFIG_ERROR_EXIT = 2
 RUN_FLAGS = ("-m", "--multirun", "-r", "--run")  # flags that leave the overrides as they are
 OUTPUT_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "resume")
 
@@ -64,14 +63,14 @@ def read_resumed(run_dir: Path) -> dict:
 
 def recorded_run(run_dir: Path) -> RunSettings:
     """The settings of the run recorded in `run_dir` (`resume=RUN_DIR` continues with them)."""
-    from tcal.rerun import recorded_settings
+    from tcal.store.rerun import recorded_settings
 
     return recorded_settings(Path(run_dir), read_resumed(run_dir))
 
 
 def resumed(settings: RunSettings, defaults: RunSettings, overrides: list[str]) -> RunSettings:
     """The settings of the run `settings.resume` names, continued with this command's safe settings."""
-    from tcal.rerun import resumed_settings
+    from tcal.store.rerun import resumed_settings
 
     run_dir = Path(settings.resume)
     keys = [parse(arg).key_or_group.lstrip("+") for arg in overrides]
@@ -85,15 +84,15 @@ def resumed(settings: RunSettings, defaults: RunSettings, overrides: list[str]) 
 def earlier_run(settings: RunSettings, run_dir: Path) -> str:
     """What `run_dir` holds for `settings`: "none" (nothing), "complete" or "unfinished"; a run of other settings
     there is refused (FolderInUse). A damaged results.json is warned about and run again."""
-    from tcal.rerun import folder_state
+    from tcal.store.rerun import folder_state
     return folder_state(Path(run_dir), read_record(run_dir), settings)
 
 
 def run_in(settings: RunSettings, run_dir: Path, ranks=None) -> None:
     """Run `settings` in `run_dir`: skip it when already complete there, continue it when unfinished. The decision
-    is taken once, before any rank writes: here, before this process starts the job's ranks (`tcal.rank`), or by
+    is taken once, before any rank writes: here, before this process starts the job's ranks (`tcal.cli.rank`), or by
     rank 0 for all when the ranks were started from outside (SLURM)."""
-    from tcal.distributed import launch, starts_ranks
+    from tcal.runtime.distributed import launch, starts_ranks
     starts = ranks is None and starts_ranks(settings.trainer)
     if not starts:
         ranks = ranks or launch(settings.trainer)
@@ -105,7 +104,7 @@ def run_in(settings: RunSettings, run_dir: Path, ranks=None) -> None:
     if earlier == "unfinished":
         print(f"tcal: {run_dir} holds this run, unfinished; continuing it", flush=True)
     if starts:
-        from tcal.rank import run_ranks
+        from tcal.cli.rank import run_ranks
         run_ranks(settings, run_dir, resume=earlier == "unfinished")
     else:
         from tcal.pipeline import run
@@ -167,11 +166,6 @@ def check_output_folders(settings: RunSettings, args: list[str]) -> None:
 # ------------------------------------------------------------------------------------------------ exits
 
 
-def config_error_exit(err: Exception) -> None:
-    print(f"tcal: configuration error: {err}", file=sys.stderr, flush=True)
-    sys.exit(CONFIG_ERROR_EXIT)
-
-
 def run_failed_exit(err: Exception, run_dir: Path) -> None:
     """A named failure of the run (divergence, a failed rank): one line, the record's path, exit code 1."""
     print(f"tcal: run failed: {err} (record: {Path(run_dir) / 'results.json'})", file=sys.stderr, flush=True)
@@ -199,7 +193,7 @@ def default_settings() -> RunSettings:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 @handling
 def hydra_main(cfg) -> None:
-    from tcal.rank import RankFailed
+    from tcal.cli.rank import RankFailed
     run_dir = Path(cfg.resume or HydraConfig.get().runtime.output_dir)
     try:
         with sweep_job(cfg, run_dir):

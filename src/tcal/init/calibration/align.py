@@ -1,8 +1,7 @@
-"""The per-layer alignment objective shared by Phase 2 of the init and Stage 1 training (docs/method.md, sections
-"Phase 2" and "Stage 1: alignment").
-
-A GDN layer sees the teacher-forced input x (the teacher's input_layernorm output entering the layer) and
-is pulled towards the teacher attention module's output y_T on the same input.
+"""Phase 2 of the init (docs/method.md, section "Phase 2"): each GDN layer trained alone on the alignment objective
+(`tcal.student.alignment`): it sees the teacher-forced input x (the teacher's input_layernorm output entering the
+layer) and is pulled towards the teacher attention module's output y_T on the same input, q/k/v and the dynamics at
+their own learning rates, the best state kept.
 """
 
 from __future__ import annotations
@@ -11,33 +10,14 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from tcal.errors import Divergence, check_finite
-from tcal.gdn import GatedDeltaNet
+from tcal.student.alignment import alignment_loss, alignment_loss_value, alignment_metrics
+from tcal.student.gdn import GatedDeltaNet
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 DYNAMICS = ("a_proj", "b_proj", "g_proj", "A_log", "dt_bias")
-
-
-def valid_tokens(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Rows of a [B, T, ...] tensor at non-padded positions (mask: [B, T], 1 = token)."""
-    return t if mask is None else t[mask.bool()]
-
-
-def alignment_loss(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, mask=None) -> torch.Tensor:
-    """MSE between the layer's output and the teacher attention output, over non-padded tokens."""
-    y = gdn(x, linear_attention_mask=mask)[0]
-    return F.mse_loss(valid_tokens(y, mask).float(), valid_tokens(target, mask).float())
-
-
-@torch.no_grad()
-def alignment_metrics(gdn: GatedDeltaNet, x, target, mask=None) -> dict:
-    """MSE and mean per-token cosine similarity to the teacher output."""
-    y = valid_tokens(gdn(x, linear_attention_mask=mask)[0], mask).float()
-    t = valid_tokens(target, mask).float()
-    return {"mse": F.mse_loss(y, t).item(), "cosine": F.cosine_similarity(y, t, dim=-1).mean().item()}
 
 
 def parameter_groups(gdn: GatedDeltaNet, lr_projections: float, lr_dynamics: float) -> list[dict]:
@@ -123,27 +103,3 @@ class BestState:
             module.load_state_dict(self.state)
 
 
-@torch.no_grad()
-def alignment_loss_value(gdn, x, target, mask=None) -> float:
-    return alignment_loss(gdn, x, target, mask).item()
-
-
-@contextlib.contextmanager
-def capture_teacher_io(teacher, layers):
-    """Inside the block, each teacher forward fills {layer: (x, y_T)}: the teacher-forced input of `self_attn`
-    (the input_layernorm output) and the attention module's output, for every layer in `layers`."""
-    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def hook(layer):
-        def keep(module, args, kwargs, output):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            captured[layer] = (hidden.detach(), output[0].detach())
-        return keep
-
-    decoder = teacher.get_decoder().layers
-    handles = [decoder[i].self_attn.register_forward_hook(hook(i), with_kwargs=True) for i in layers]
-    try:
-        yield captured
-    finally:
-        for handle in handles:
-            handle.remove()

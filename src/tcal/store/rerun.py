@@ -22,9 +22,9 @@ import functools
 from pathlib import Path
 
 from tcal.errors import ConfigError, DamagedCheckpoint, FolderInUse
-from tcal.locks import describe_holder, holder_of, locked
 from tcal.settings import RunSettings
 from tcal.settings.relevance import differences, with_fields
+from tcal.store.locks import describe_holder, holder_of, locked
 
 SHOWN = 4  # differing keys named in a message
 RUN_LOCK = ".tcal-run.lock"

@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from tcal.calibration.align import valid_tokens
-from tcal.calibration.stats import LayerStats
-from tcal.gdn import GatedDeltaNet
+from tcal.init.calibration.stats import LayerStats
+from tcal.student.alignment import valid_tokens
+from tcal.student.gdn import GatedDeltaNet
 
 
 def inverse_softplus(y: torch.Tensor) -> torch.Tensor:

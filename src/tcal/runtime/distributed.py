@@ -2,7 +2,7 @@
 
 A multi-device run (`trainer.devices` x `trainer.num_nodes` > 1) has one process per rank. Either something
 outside started them (SLURM's tasks, torchrun, MPI/LSF; `ranks_started_outside`), or the job's own process
-starts them (`tcal.rank`: one fresh set of processes and one process group per job, so the jobs of a sweep never
+starts them (`tcal.cli.rank`: one fresh set of processes and one process group per job, so the jobs of a sweep never
 share ranks). Each rank joins the process group with `launch` (Lightning Fabric with the environment it finds,
 so the Trainers created later find the processes and the process group already there; it never relaunches
 the command). From then on every rank holds the teacher and the student on its own device, and the per-layer
@@ -36,7 +36,7 @@ T = TypeVar("T")
 # legitimately is another rank's work done alone: rank 0 writing a full checkpoint with optimizer state (about
 # 100 GB at 8B parameters) or consolidating a sharded one. A rank that failed does not leave the others waiting
 # this long: a failure inside a decision is shared (`Ranks.decide`, `Ranks.together`), and the process that
-# started a job's ranks stops the others as soon as one fails (`tcal.rank`).
+# started a job's ranks stops the others as soon as one fails (`tcal.cli.rank`).
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 
 
@@ -190,7 +190,7 @@ def portable(error: Exception | None) -> Exception | None:
 
 def ranks_started_outside() -> bool:
     """Whether this process is one of a run's ranks that something else started: a job's rank started by
-    `tcal.rank` or torchrun (LOCAL_RANK set), a SLURM task, an LSF or MPI job (Lightning's cluster environments,
+    `tcal.cli.rank` or torchrun (LOCAL_RANK set), a SLURM task, an LSF or MPI job (Lightning's cluster environments,
     which tell the Trainer not to launch processes either)."""
     from lightning.fabric.plugins.environments import (
         LSFEnvironment,
@@ -204,7 +204,7 @@ def ranks_started_outside() -> bool:
 
 
 def starts_ranks(trainer_cfg) -> bool:
-    """Whether this process must start the run's ranks itself (`tcal.rank`): a multi-device trainer, and no
+    """Whether this process must start the run's ranks itself (`tcal.cli.rank`): a multi-device trainer, and no
     ranks started from outside."""
     return world_size(trainer_cfg) > 1 and not ranks_started_outside()
 
@@ -217,9 +217,9 @@ def launch(trainer_cfg) -> Ranks:
     if world == 1:
         return Ranks(device=single_device(accelerator))
     if not ranks_started_outside():
-        raise RuntimeError(f"tcal.distributed.launch: {world} ranks asked for, but this process is not one of them "
+        raise RuntimeError(f"tcal.runtime.distributed.launch: {world} ranks asked for, but this process is not one of them "
                            f"(no LOCAL_RANK, SLURM, torchrun, LSF or MPI environment); the job starts its ranks "
-                           f"with tcal.rank")
+                           f"with tcal.cli.rank")
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
 

@@ -1,12 +1,13 @@
-"""The learning-rate schedules of Phase 2 and of the training stages: each group's learning-rate multiplier per
-step (for `torch.optim.lr_scheduler.LambdaLR`)."""
+"""The learning-rate schedules a `schedule` setting names (Phase 2 of full_plus, the training stages): each
+group's learning-rate multiplier per step (for `torch.optim.lr_scheduler.LambdaLR`)."""
 
 from __future__ import annotations
 
 import math
 from typing import Callable
 
-from tcal.settings.init import SCHEDULES  # noqa: E402 - the names live with the settings
+SCHEDULES = ("constant", "cosine")
+
 
 
 def lr_factor(name: str, total_steps: int, min_lr_ratio: float = 0.0,
@@ -20,4 +21,4 @@ def lr_factor(name: str, total_steps: int, min_lr_ratio: float = 0.0,
             progress = min(step / max(total_steps, 1), 1.0)
             return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         return factor
-    raise ValueError(f"{setting}={name!r}; expected constant or cosine")
+    raise ValueError(f"{setting}={name!r}; expected one of {', '.join(SCHEDULES)}")

@@ -3,7 +3,7 @@ evaluation figures and token streams all go through `get_or_build` (or `get_or_b
 built together).
 
 Every entry gets the same guarantees:
-- one file, written whole (a temporary file renamed over it, `tcal.results.write_atomic`);
+- one file, written whole (a temporary file renamed over it, `tcal.store.files.write_atomic`);
 - tensors and their record in one safetensors file (the record as JSON in its metadata; no pickle, so no
   `torch.load` of cache files), or a JSON file for entries without tensors; either way the entry carries its
   own key (its file name, a digest of everything it depends on), checked when read, so an entry copied or
@@ -15,7 +15,7 @@ Every entry gets the same guarantees:
 - one INFO line per entry and process, `cache <kind>: built <key>` or `cache <kind>: reused <key>`, so a
   sweep's logs show that each entry was built once.
 
-Several ranks of one run (`tcal.distributed`) build an entry together (the build may use collectives), so no
+Several ranks of one run (`tcal.runtime.distributed`) build an entry together (the build may use collectives), so no
 rank may wait in a lock while the others sit in a collective: rank 0 reads and decides for all, takes the
 keys' locks without waiting, and writes what was built; a key whose lock another job holds is built here too
 (both write the same whole file). Each of these steps is shared (`Ranks.decide`, `Ranks.together`): a read
@@ -35,9 +35,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tcal.distributed import Ranks
-from tcal.locks import describe_holder, locked
-from tcal.results import make_folder, write_atomic, write_json_atomic
+from tcal.runtime.distributed import Ranks
+from tcal.store.files import make_folder, write_atomic, write_json_atomic
+from tcal.store.locks import describe_holder, locked
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def lock_path(path: Path) -> Path:
 
 @contextlib.contextmanager
 def key_lock(path: str | Path, wait: bool = True):
-    """An exclusive lock on the entry at `path` (`tcal.locks`: released when the holder exits, even when killed).
+    """An exclusive lock on the entry at `path` (`tcal.store.locks`: released when the holder exits, even when killed).
     Yields whether it is held: with `wait=False` it is not when another process holds it. Waiting for another
     process, it first logs which entry it waits for and who is building it."""
     lock = lock_path(Path(path))

@@ -1,7 +1,7 @@
 """`phase1`, `phase2`, `full`: Taylor-Calibrate's phases on every GDN layer (the phases come from the YAML)."""
 
-from tcal.calibration.calibrate import calibrate_gdns
 from tcal.init import INIT_MODES
+from tcal.init.calibration.calibrate import calibrate_gdns
 
 
 @INIT_MODES.register("phase1")

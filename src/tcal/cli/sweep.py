@@ -6,7 +6,7 @@ and a folder holding a run of another config is not touched), logged, and listed
 `<sweep dir>/failed_jobs.jsonl`. When the sweep ends, `SweepSummary` (a Hydra callback, conf/config.yaml)
 prints one line per failed job and `tcal` exits with code 1.
 
-A signal (`tcal.signals`) stops the whole sweep instead: the job it stopped is recorded as interrupted, and the
+A signal (`tcal.runtime.signals`) stops the whole sweep instead: the job it stopped is recorded as interrupted, and the
 summary lists that job and every job of the sweep that did not run (also in `failed_jobs.jsonl`, with the error
 `not run: ...`), so a scheduler never reads an interrupted sweep as a successful one; `tcal` exits with 128 + the
 signal's number. The same command again skips the finished jobs and continues the others.
@@ -45,11 +45,11 @@ def record_job_failure(cfg, run_dir: Path, err: BaseException) -> None:
     """The failed job's record in its folder (when it has none yet), its log, and its line in the sweep's list."""
     from hydra.core.hydra_config import HydraConfig
 
-    from tcal.distributed import is_rank_zero
+    from tcal.cli.rank import RankFailed
     from tcal.errors import ConfigError, Divergence
-    from tcal.rank import RankFailed
-    from tcal.record import RESULTS, describe, record_failure
-    from tcal.signals import as_interrupt
+    from tcal.runtime.distributed import is_rank_zero
+    from tcal.runtime.signals import as_interrupt
+    from tcal.store.record import RESULTS, describe, record_failure
 
     if not (Path(run_dir) / RESULTS).exists():
         record_failure(run_dir, err, job_config(cfg), create=True)
@@ -100,7 +100,7 @@ def record_sweep_interrupt(err: BaseException, run_dir: Path) -> None:
 def sweep_job(cfg, run_dir: Path):
     """Around one job: in a sweep, an error is recorded and the sweep goes on; a signal is recorded and stops the
     sweep (the jobs left are listed); outside a sweep everything passes."""
-    from tcal.signals import Interrupted, as_interrupt
+    from tcal.runtime.signals import Interrupted, as_interrupt
 
     if not in_sweep():
         yield

@@ -16,22 +16,16 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from tcal.calibration.align import (
-    BestState,
-    alignment_loss,
-    alignment_metrics,
-    only_trainable,
-    optimizer_step,
-    phase2_optimizer,
-)
-from tcal.calibration.calibrate import ArtifactStore, artifact_key, calibrate_shared, float32_master, teacher_io
-from tcal.calibration.phase1 import apply_phase1
-from tcal.calibration.stats import collect_teacher_stats
-from tcal.convert import layer_generator
-from tcal.data import every_nth, token_windows
-from tcal.distributed import Ranks
-from tcal.gdn import GatedDeltaNet
-from tcal.schedule import lr_factor
+from tcal.data.documents import every_nth, token_windows
+from tcal.init.calibration.align import BestState, only_trainable, optimizer_step, phase2_optimizer
+from tcal.init.calibration.calibrate import ArtifactStore, artifact_key, calibrate_shared, float32_master, teacher_io
+from tcal.init.calibration.phase1 import apply_phase1
+from tcal.init.calibration.stats import collect_teacher_stats
+from tcal.runtime.distributed import Ranks
+from tcal.settings.schedule import lr_factor
+from tcal.student.alignment import alignment_loss, alignment_metrics
+from tcal.student.convert import layer_generator
+from tcal.student.gdn import GatedDeltaNet
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-
 from tcal.errors import ConfigError, FolderInUse
-from tcal.results import null_non_finite, write_json_atomic
-from tcal.signals import Interrupted
+from tcal.runtime.signals import Interrupted
+from tcal.store.files import null_non_finite, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +366,7 @@ def write_record(path: str | Path, results: dict, earlier: dict | None = None) -
 
 def describe(err: BaseException) -> str:
     """An error on one line, with what kind of error it is (an interrupt: `interrupted by SIGTERM (signal 15)`)."""
-    from tcal.signals import as_interrupt
+    from tcal.runtime.signals import as_interrupt
 
     interrupt = as_interrupt(err)
     if interrupt is not None:
@@ -382,7 +381,7 @@ def record_failure(run_dir: str | Path, err: BaseException, config: dict | None 
     """Mark the record in `run_dir` failed with `err`, keeping everything it held; with `create`, write one (with
     `config`, the run's settings as a mapping) when there is none. Returns its path, or None when nothing was
     written (and on ranks but 0)."""
-    from tcal.distributed import is_rank_zero
+    from tcal.runtime.distributed import is_rank_zero
 
     path = Path(run_dir) / RESULTS
     record = read_record(run_dir) if is_rank_zero() else None
@@ -400,7 +399,7 @@ def record_failure(run_dir: str | Path, err: BaseException, config: dict | None 
 
 def records_failure(run):
     """Decorate `run(settings, run_dir, ...)`: an error once the record exists (divergence, a crash, a signal: see
-    `tcal.signals`) marks it failed. A ConfigError leaves the record as it is (nothing was done, or a resume was
+    `tcal.runtime.signals`) marks it failed. A ConfigError leaves the record as it is (nothing was done, or a resume was
     refused)."""
     @functools.wraps(run)
     def wrapper(settings, run_dir, *args, **kwargs):

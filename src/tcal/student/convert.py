@@ -12,13 +12,13 @@ import logging
 import torch
 
 from tcal.settings import derived_seed
-from tcal.gdn import GatedDeltaNet
-from tcal.hybrid import LINEAR, HybridConfig, HybridForCausalLM, teacher_layer_types
+from tcal.settings.init import GQA_EXPANSIONS
+from tcal.student.gdn import GatedDeltaNet
+from tcal.student.hybrid import LINEAR, HybridConfig, HybridForCausalLM, teacher_layer_types
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
 
-from tcal.settings.init import GQA_EXPANSIONS  # noqa: E402 - the names live with the settings
 
 
 def validate_keep_layers(keep_layers, num_layers: int) -> list[int]:

@@ -19,10 +19,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tcal.report import (INIT_ORDER, POLICY_ORDER, Run, collect, efficiency_table, fmt_ppl, markdown_table,
-                         zero_shot_table)
-from tcal.record import load_record
-from tcal.results import write_text_atomic
+from tcal.store.files import write_text_atomic
+from tcal.store.record import load_record
+from tcal.tools.figures import (
+    INIT_ORDER,
+    POLICY_ORDER,
+    Run,
+    collect,
+    efficiency_table,
+    fmt_ppl,
+    markdown_table,
+    zero_shot_table,
+)
 from tcal.tracking import curve_metric, tokens_metric, wandb_has_credentials
 
 SPEC_FILE = "wandb_workspace.json"

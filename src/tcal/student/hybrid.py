@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from tcal.gdn import GatedDeltaNet
+from tcal.student.gdn import GatedDeltaNet
 
 LINEAR = "linear_attention"
 

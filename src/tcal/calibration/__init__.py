@@ -1,1 +1,0 @@
-"""Teacher statistics and the Taylor-Calibrate init phases."""

@@ -1,0 +1,1 @@
+"""The entry points: `tcal` (Hydra) and its sweeps' bookkeeping."""

@@ -1,0 +1,1 @@
+"""Documents and their splits, token streams, and synthetic retrieval sequences."""

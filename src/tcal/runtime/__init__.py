@@ -1,0 +1,1 @@
+"""One process among a run's ranks: starting them, shared decisions, signals."""

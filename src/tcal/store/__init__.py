@@ -1,0 +1,1 @@
+"""What a run keeps on disk: its record, its folder, the caches, atomic writes, digests."""

@@ -1,0 +1,1 @@
+"""The tools beside the library: `tcal-plan`, `tcal-report` and the W&B dashboard."""
