@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from tqdm.auto import tqdm
 
 from tcal.cache import get_or_build_each, tensor_codec
 from tcal.calibration.align import align_layer, alignment_metrics
@@ -23,6 +22,7 @@ from tcal.data import between_windows, token_windows
 from tcal.distributed import Ranks
 from tcal.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
 from tcal.gdn import GatedDeltaNet
+from tcal.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
         check_stats = None if check is None else collect_teacher_stats(teacher, check, layers=todo,
                                                                         block_size=int(cfg.block_size))
         steps = int(cfg.phase2.steps) if "phase2" in phases else 0
-        bar = tqdm(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
+        bar = progress(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
         with bar:
             for i in todo:
                 with float32_master(gdns[i]) as gdn:

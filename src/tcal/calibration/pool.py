@@ -31,6 +31,7 @@ from tcal.convert import layer_generator
 from tcal.data import every_nth, token_windows
 from tcal.distributed import Ranks
 from tcal.gdn import GatedDeltaNet
+from tcal.progress import progress
 from tcal.schedule import lr_factor
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
     def calibrate_some(todo: list[int]) -> Iterator[tuple[int, dict]]:
         log.info("full_plus: layers %s on a pool of %d + %d held-out windows", todo, len(pool.fit),
                  len(pool.held_out))
-        with tqdm(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step") as bar:
+        with progress(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step") as bar:
             for group in layer_groups(todo, layers_per_pass):
                 fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
                 held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)

@@ -15,13 +15,13 @@ import logging
 from typing import Iterator
 
 import torch
-from tqdm.auto import tqdm
 
 from tcal.convert import build_student, naive_gdn
 from tcal.evaluate.perplexity import perplexity
 from tcal.fingerprint import plain
 from tcal.hybrid import LINEAR, HybridForCausalLM, teacher_layer_types
 from tcal.init import apply_init
+from tcal.progress import progress
 from tcal.retention import POLICIES, Selection, num_kept
 from tcal.retention.cache import scored_selection, scoring_windows
 from tcal.teachers import adapter_for
@@ -67,7 +67,7 @@ def probe_perplexities(ctx, gdns: dict, windows: torch.Tensor, batch_size: int) 
     scores = {}
     with ctx.ranks.together():
         parts = probes(ctx.teacher, gdns, ctx.settings.init.gqa_expansion, int(ctx.settings.seed))
-        bar = tqdm(total=len(mine), desc=f"retention ga_s2 ({ctx.settings.init.name}): probe ppl", unit="layer")
+        bar = progress(total=len(mine), desc=f"retention ga_s2 ({ctx.settings.init.name}): probe ppl", unit="layer")
         for i, probe in parts:
             if i in mine:
                 scores[i] = perplexity(probe, windows, batch_size)

@@ -33,13 +33,13 @@ import time
 from contextlib import contextmanager
 
 import torch
-from tqdm.auto import tqdm
 
 from tcal.cache import get_or_build, json_codec
 from tcal.data import token_stream
 from tcal.evaluate.perplexity import token_nll
 from tcal.fingerprint import plain
 from tcal.needles import ANSWER, TEXT, RetrievalSequences, key_words
+from tcal.progress import progress
 from tcal.retention import POLICIES, Selection, num_kept
 from tcal.retention.ar import attention_bypassed
 from tcal.retention.cache import score_folder, selection_key, top_k
@@ -101,7 +101,7 @@ def probe_losses(teacher, ids, labels, batch_size: int, ranks, gdns: dict | None
     gets all."""
     base = answer_and_text_nll(teacher, ids, labels, batch_size)
     mine = {}
-    for i in tqdm(ranks.share(range(teacher.config.num_hidden_layers)), desc=desc, unit="layer"):
+    for i in progress(ranks.share(range(teacher.config.num_hidden_layers)), desc=desc, unit="layer"):
         changed = attention_bypassed(teacher, i) if gdns is None else attention_replaced(teacher, i, gdns[i])
         with changed:
             mine[i] = list(answer_and_text_nll(teacher, ids, labels, batch_size))

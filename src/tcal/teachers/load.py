@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from tcal.cache import key_lock
 from tcal.errors import ConfigError
 from tcal.hub import hub_offline, looks_local
+from tcal.progress import throttle_transformers_bars
 from tcal.results import write_folder_atomic
 from tcal.teachers import adapter_for
 
@@ -119,6 +120,7 @@ def load_tokenizer(cfg, cache_dir: str | Path):
 
 def load_teacher(cfg, cache_dir: str | Path):
     """(teacher model in eval mode, tokenizer) from `TeacherSettings` (or a `conf/teacher/*.yaml` node)."""
+    throttle_transformers_bars()
     dtype = torch_dtype(cfg.dtype)
     cache_dir = Path(cache_dir)
     attn = cfg.attn_implementation
