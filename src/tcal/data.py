@@ -182,31 +182,22 @@ def tokenize_documents(docs: list[Document], tokenizer) -> torch.Tensor:
 
 
 def tokenizer_digest(tokenizer) -> str:
-    """Digest of the tokenizer's class, vocabulary and end-of-text id (about 0.1 s for SmolLM2's), memoized on the
-    tokenizer as `teacher_fingerprint` is on the teacher."""
-    cached = getattr(tokenizer, "_tcal_digest", None)
-    if cached is None:
-        cached = tokenizer._tcal_digest = digest(type(tokenizer).__name__, tokenizer.get_vocab(),
-                                                 tokenizer.eos_token_id)
-    return cached
+    return digest(type(tokenizer).__name__, tokenizer.get_vocab(), tokenizer.eos_token_id)
 
 
-# (the tokenizer's digest, the documents) -> the stream; newest last
-_STREAMS: dict[tuple, torch.Tensor] = {}
+# (id of the tokenizer, the documents) -> (the tokenizer, kept so its id stays its own, the stream); newest last
+_STREAMS: dict[tuple, tuple] = {}
 STREAMS_KEPT = 8
 
 
 def _remembered_stream(docs: list[Document], tokenizer) -> torch.Tensor:
-    """`tokenize_documents`, once per process for the last few (tokenizer, documents) asked for. A tokenizer loaded
-    again (each run of a process loads its own) is the same tokenizer: it is known by its digest, not its id."""
-    key = (tokenizer_digest(tokenizer), tuple(docs))
-    stream = _STREAMS.pop(key, None)
-    if stream is None:
-        stream = tokenize_documents(docs, tokenizer)
-    _STREAMS[key] = stream
+    """`tokenize_documents`, once per process for the last few (tokenizer, documents) asked for."""
+    key = (id(tokenizer), tuple(docs))
+    entry = _STREAMS.pop(key, None) or (tokenizer, tokenize_documents(docs, tokenizer))
+    _STREAMS[key] = entry
     while len(_STREAMS) > STREAMS_KEPT:
         del _STREAMS[next(iter(_STREAMS))]
-    return stream
+    return entry[1]
 
 
 def forget_token_streams() -> None:
