@@ -20,7 +20,7 @@ from typing import Any
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
-from tcal.progress import LOG_REDRAW_S, DrawnLines, is_terminal
+from tcal.progress import LOG_REDRAW_S, DrawnLines, draws_in_place
 
 TIP_MARK = "💡"
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
@@ -31,8 +31,8 @@ class ProgressBar(TQDMProgressBar):
     """Lightning's tqdm bar (on stdout), the same figures. When stdout is not a terminal (a log file), it draws as
     `tcal.progress` bars do there: a training step or validation batch only when `LOG_REDRAW_S` seconds have passed
     since the bar's last draw (Lightning's own bar draws every one), each draw a line of its own; the evaluations
-    between training steps draw no bar there (the stage logs each one's perplexities). On a terminal it is
-    Lightning's bar unchanged."""
+    between training steps draw no bar there (the stage logs each one's perplexities). On a terminal or in a notebook
+    it is Lightning's bar unchanged."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,7 +40,7 @@ class ProgressBar(TQDMProgressBar):
 
     def _made_for_stdout(self, make):
         """The bar `make()` gives (Lightning draws on `sys.stdout`), for a log file when stdout is one."""
-        self.log_file = not is_terminal(sys.stdout)
+        self.log_file = not draws_in_place(sys.stdout)
         if not self.log_file:
             return make()
         with contextlib.redirect_stdout(DrawnLines(sys.stdout)):
@@ -55,7 +55,7 @@ class ProgressBar(TQDMProgressBar):
         return self._made_for_stdout(super().init_train_tqdm)
 
     def init_validation_tqdm(self):
-        if self.trainer.state.fn == "fit" and not is_terminal(sys.stdout):
+        if self.trainer.state.fn == "fit" and not draws_in_place(sys.stdout):
             return Tqdm(disable=True)
         return self._made_for_stdout(super().init_validation_tqdm)
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import re
 import sys
 
+from tqdm.asyncio import tqdm as text_tqdm
 from tqdm.auto import tqdm
 
 LOG_REDRAW_S = 5.0
 CURSOR_UP = "\x1b[A"  # tqdm moves between nested bars with it
+WIDGET_BARS = tqdm is not text_tqdm  # tqdm.auto's bar: a widget in a notebook, text elsewhere
 
 
 def is_terminal(stream) -> bool:
@@ -28,6 +30,11 @@ def is_terminal(stream) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError, OSError):
         return False
+
+
+def draws_in_place(stream) -> bool:
+    """Whether a bar on `stream` redraws in place: on a terminal, or as a notebook's widget."""
+    return WIDGET_BARS or is_terminal(stream)
 
 
 class DrawnLines:
@@ -55,10 +62,11 @@ class DrawnLines:
 
 
 def for_log_files(kwargs: dict) -> dict:
-    """tqdm's keyword arguments for its stream (`file`, else stderr): unchanged for a terminal; for anything else
-    the stream as `DrawnLines` and `mininterval` `LOG_REDRAW_S` (unless one is given)."""
+    """tqdm's keyword arguments for its stream (`file`, else stderr): unchanged for a terminal or a notebook (whose
+    widget draws in place); for anything else the stream as `DrawnLines` and `mininterval` `LOG_REDRAW_S` (unless
+    one is given)."""
     stream = kwargs.get("file") or sys.stderr
-    if is_terminal(stream) or isinstance(stream, DrawnLines):
+    if draws_in_place(stream) or isinstance(stream, DrawnLines):
         return kwargs
     return {"mininterval": LOG_REDRAW_S, **kwargs, "file": DrawnLines(stream)}
 
