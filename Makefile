@@ -4,6 +4,9 @@ VENV ?= .venv
 PIP := $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 ARGS ?=
+# `make test TEST_WORKERS=4`: pytest-xdist processes; each test file runs whole in one (module fixtures built once)
+TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install run test test-slow bench gpu-check plan report clean
 
@@ -20,10 +23,10 @@ run: install
 	$(VENV)/bin/tcal $(ARGS)
 
 test: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(PYTEST)
 
 test-slow: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m slow
+	$(PYTEST) -m slow
 
 bench: install
 	$(VENV)/bin/python benchmarks/bench.py $(ARGS)

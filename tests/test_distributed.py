@@ -20,11 +20,12 @@ from pathlib import Path
 import collective_cases
 import pytest
 import torch
-from conftest import isolated_cache_dir
+from conftest import compose, isolated_cache_dir
 
 from tcal.cli.app import CONF_DIR
 from tcal.cli.rank import STOP_GRACE_S, free_port
 from tcal.evaluate.validation import RankWindows
+from tcal.pipeline import run
 from tcal.runtime.distributed import Ranks, split_work
 
 SMOKE = ("experiment=smoke", "eval.num_windows=3", "save_student=false")
@@ -47,9 +48,17 @@ def tcal(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, str]:
     return read_results(run_dir), done.stdout + done.stderr
 
 
+def one_process(tmp_path: Path, name: str, *overrides: str) -> dict:
+    """The one-process run of `tcal ...` (trainer=cpu), run here: the figures two ranks must give."""
+    run_dir = tmp_path / name
+    run(compose(*SMOKE, *overrides, f"paths.cache_dir={isolated_cache_dir(tmp_path / f'cache_{name}')}",
+                "trainer=cpu"), run_dir)
+    return read_results(run_dir)
+
+
 def test_two_ranks_calibrate_and_score_like_one_process_each_layer_once(tmp_path):
     buckets = "eval.position_buckets=[0,16,32]"  # rank 1 repeats a window at weight 0: it must count nowhere
-    one, _ = tcal(tmp_path, "one", *GA_S2_FULL, buckets, "trainer=cpu")
+    one = one_process(tmp_path, "one", *GA_S2_FULL, buckets)
     two, log = tcal(tmp_path, "two", *GA_S2_FULL, buckets, "trainer=ddp")
     assert two["init_weights_digest"] == one["init_weights_digest"]
     assert two["retention_scores"] == pytest.approx(one["retention_scores"], rel=1e-6)
@@ -86,9 +95,13 @@ def test_split_work_on_one_rank_computes_every_item():
 def test_two_ranks_of_batch_2_give_the_curve_of_one_process_of_batch_4(tmp_path):
     distill = ("stage=distill", "init=zero_gate", "stage.seq_len=32", "stage.max_tokens=384",
                "stage.eval_every_tokens=128")
-    one, _ = tcal(tmp_path, "one", *distill, "stage.batch_size=4", "trainer=cpu")
+    one = one_process(tmp_path, "one", *distill, "stage.batch_size=4")
     two, _ = tcal(tmp_path, "two", *distill, "stage.batch_size=2", "trainer=ddp")
     assert two["stages"]["distill"]["tokens_per_step"] == one["stages"]["distill"]["tokens_per_step"] == 128
+    record = two["stages"]["distill"]
+    assert (record["world_size"], record["steps"], record["tokens_seen"]) == (2, 3, 384)
+    digests = record["rank_weight_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]  # both ranks end identical
     for name, points in one["curve"].items():
         assert [p["tokens"] for p in two["curve"][name]] == [p["tokens"] for p in points] == [0, 128, 256, 384]
         assert [p["ppl"] for p in two["curve"][name]] == pytest.approx([p["ppl"] for p in points], rel=1e-5)

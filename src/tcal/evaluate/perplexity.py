@@ -13,7 +13,8 @@ from sys import float_info
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+
+from tcal.runtime.progress import progress
 
 NLL_CHUNK_ROWS = 1024
 
@@ -81,7 +82,7 @@ def batch_nll(model, batch: torch.Tensor, weights: torch.Tensor | None = None) -
 def window_nll(model, windows: torch.Tensor, batch_size: int = 4, desc: str | None = None) -> tuple[float, int]:
     """(summed next-token NLL, number of predicted tokens) over `windows` [N, T]."""
     total, count = 0.0, 0
-    for start in tqdm(range(0, len(windows), batch_size), desc=desc, disable=desc is None, leave=False):
+    for start in progress(range(0, len(windows), batch_size), desc=desc, disable=desc is None, leave=False):
         nll, tokens = batch_nll(model, windows[start:start + batch_size])
         total += float(nll)
         count += int(tokens)

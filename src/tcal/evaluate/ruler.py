@@ -11,8 +11,8 @@ import random
 import string
 
 import torch
-from tqdm.auto import tqdm
 
+from tcal.runtime.progress import progress
 from tcal.settings.evaluation import NEEDLE_TASKS
 from tcal.settings.evaluation import RULER_TASKS as TASKS
 
@@ -170,7 +170,7 @@ def ruler_hits(model, tokenizer, documents: list[str], lengths, tasks, n: int, s
     device = getattr(model, "device", "cpu")
     counts: dict[tuple, list[int]] = {}
     per_task = len(share(list(range(n))))  # this rank's examples of each task
-    with tqdm(total=len(lengths) * len(tasks) * per_task, desc=desc, disable=desc is None, unit="example") as bar:
+    with progress(total=len(lengths) * len(tasks) * per_task, desc=desc, disable=desc is None, unit="example") as bar:
         for length in lengths:
             for task in tasks:
                 bar.set_postfix_str(f"{task} @ {length}")

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tcal.evaluate.perplexity import nll_sums, position_nll_sums, token_nll
+from tcal.runtime.lightning_output import trainer_callbacks
 
 
 class RankWindows(Dataset):
@@ -134,7 +135,8 @@ def eval_trainer(trainer_cfg, world: int) -> L.Trainer:
     return L.Trainer(accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices,
                      num_nodes=trainer_cfg.num_nodes, strategy="ddp" if world > 1 else "auto",
                      precision=trainer_cfg.precision, logger=False, use_distributed_sampler=False,
-                     enable_model_summary=False, enable_checkpointing=False, inference_mode=False)
+                     enable_model_summary=False, enable_checkpointing=False, inference_mode=False,
+                     callbacks=trainer_callbacks([]))
 
 
 def validate_windows(model: torch.nn.Module, eval_windows: dict[str, torch.Tensor], batch_size: int, trainer_cfg,

@@ -11,12 +11,12 @@ import logging
 from contextlib import contextmanager
 
 import torch
-from tqdm.auto import tqdm
 
 from tcal.evaluate.perplexity import perplexity
 from tcal.retention import POLICIES, Selection
 from tcal.retention.cache import scored_selection, scoring_windows
 from tcal.runtime.distributed import Ranks
+from tcal.runtime.progress import progress
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,8 @@ def bypass_perplexities(teacher, windows: torch.Tensor, batch_size: int, ranks: 
     ranks = ranks or Ranks()
     scores = {}
     with ranks.together():
-        for i in tqdm(ranks.share(range(teacher.config.num_hidden_layers)), desc="retention ar: bypass ppl",
-                      unit="layer"):
+        for i in progress(ranks.share(range(teacher.config.num_hidden_layers)), desc="retention ar: bypass ppl",
+                          unit="layer"):
             with attention_bypassed(teacher, i):
                 scores[i] = perplexity(teacher, windows, batch_size)
     return ranks.merge(scores)

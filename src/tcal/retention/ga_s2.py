@@ -15,12 +15,12 @@ import logging
 from typing import Iterator
 
 import torch
-from tqdm.auto import tqdm
 
 from tcal.evaluate.perplexity import perplexity
 from tcal.init import apply_init
 from tcal.retention import POLICIES, Selection
 from tcal.retention.cache import scored_selection, scoring_windows
+from tcal.runtime.progress import progress
 from tcal.settings.fields import INIT
 from tcal.settings.retention import num_kept
 from tcal.student.convert import build_student, naive_gdn
@@ -65,7 +65,7 @@ def probe_perplexities(ctx, gdns: dict, windows: torch.Tensor, batch_size: int) 
     scores = {}
     with ctx.ranks.together():
         parts = probes(ctx.teacher, gdns, ctx.settings.init.gqa_expansion, int(ctx.settings.seed))
-        bar = tqdm(total=len(mine), desc=f"retention ga_s2 ({ctx.settings.init.name}): probe ppl", unit="layer")
+        bar = progress(total=len(mine), desc=f"retention ga_s2 ({ctx.settings.init.name}): probe ppl", unit="layer")
         for i, probe in parts:
             if i in mine:
                 scores[i] = perplexity(probe, windows, batch_size)

@@ -33,7 +33,6 @@ import time
 from contextlib import contextmanager
 
 import torch
-from tqdm.auto import tqdm
 
 from tcal.data.needles import ANSWER, TEXT, probe_batch
 from tcal.evaluate.perplexity import token_nll
@@ -41,6 +40,7 @@ from tcal.retention import POLICIES, Selection
 from tcal.retention.ar import attention_bypassed
 from tcal.retention.cache import score_folder, selection_key, top_k
 from tcal.retention.uniform import uniform_layers
+from tcal.runtime.progress import progress
 from tcal.settings.fields import INIT
 from tcal.settings.retention import FILLS, PROBES, num_kept
 from tcal.store.cache import get_or_build, json_codec
@@ -94,7 +94,7 @@ def probe_losses(teacher, ids, labels, batch_size: int, ranks, gdns: dict | None
     gets all."""
     base = answer_and_text_nll(teacher, ids, labels, batch_size)
     mine = {}
-    for i in tqdm(ranks.share(range(teacher.config.num_hidden_layers)), desc=desc, unit="layer"):
+    for i in progress(ranks.share(range(teacher.config.num_hidden_layers)), desc=desc, unit="layer"):
         changed = attention_bypassed(teacher, i) if gdns is None else attention_replaced(teacher, i, gdns[i])
         with changed:
             mine[i] = list(answer_and_text_nll(teacher, ids, labels, batch_size))

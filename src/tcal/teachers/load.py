@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from tcal.errors import ConfigError
 from tcal.hub import hub_offline, looks_local
+from tcal.runtime.progress import throttle_transformers_bars
 from tcal.store.cache import key_lock
 from tcal.store.files import write_folder_atomic
 from tcal.teachers import adapter_for
@@ -118,6 +119,7 @@ def load_tokenizer(cfg, cache_dir: str | Path):
 
 def load_teacher(cfg, cache_dir: str | Path):
     """(teacher model in eval mode, tokenizer) from `TeacherSettings` (or a `conf/teacher/*.yaml` node)."""
+    throttle_transformers_bars()
     dtype = torch_dtype(cfg.dtype)
     cache_dir = Path(cache_dir)
     attn = cfg.attn_implementation

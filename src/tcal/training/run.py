@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from tcal.data.documents import eval_sets, token_windows
 from tcal.evaluate.validation import eval_dataloaders
 from tcal.runtime.distributed import world_size
+from tcal.runtime.lightning_output import trainer_callbacks
 from tcal.settings import TrainerSettings
 from tcal.settings.relevance import cache_settings
 from tcal.store.cache import Codec, get_or_build, tensor_codec
@@ -155,7 +156,8 @@ def resolve_strategy(name: str, world: int):
 
 def make_trainer(trainer_settings: TrainerSettings, plan: StagePlan, run_dir: Path, logger, callbacks) -> L.Trainer:
     """The stage's Trainer: validation (the curve) every `eval_every_steps` optimizer steps, and the last checkpoint
-    written after each validation, so a checkpoint always holds the curve up to its own step."""
+    written after each validation, so a checkpoint always holds the curve up to its own step. Its bar and lines suit
+    a log file (`tcal.runtime.lightning_output`)."""
     trainer_cfg = trainer_settings
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints" / plan.kind, filename="last", save_top_k=1,
                                  monitor=None, enable_version_counter=False, save_on_train_epoch_end=False)
@@ -166,8 +168,9 @@ def make_trainer(trainer_settings: TrainerSettings, plan: StagePlan, run_dir: Pa
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.num_nodes,
         strategy=strategy, precision=trainer_cfg.precision, max_steps=plan.total_steps, max_epochs=-1,
         gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
-        callbacks=[*callbacks, checkpoint], default_root_dir=str(run_dir), use_distributed_sampler=False,
-        val_check_interval=plan.eval_every_steps, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        callbacks=trainer_callbacks([*callbacks, checkpoint]), default_root_dir=str(run_dir),
+        use_distributed_sampler=False, val_check_interval=plan.eval_every_steps, check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
         log_every_n_steps=1, enable_model_summary=False, inference_mode=False,
         deterministic=trainer_cfg.deterministic, plugins=[atomic_checkpoint_io()()],
     )

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from tqdm.auto import tqdm
 
 from tcal.data.documents import between_windows, token_windows
 from tcal.init.calibration.align import align_layer
 from tcal.init.calibration.phase1 import apply_phase1
 from tcal.init.calibration.stats import collect_teacher_stats
 from tcal.runtime.distributed import Ranks
+from tcal.runtime.progress import progress
 from tcal.settings.init import PHASES
 from tcal.settings.relevance import cache_settings
 from tcal.store.cache import get_or_build_each, tensor_codec
@@ -164,7 +164,7 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
         check_stats = None if check is None else collect_teacher_stats(teacher, check, layers=todo,
                                                                         block_size=int(cfg.block_size))
         steps = int(cfg.phase2.steps) if "phase2" in phases else 0
-        bar = tqdm(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
+        bar = progress(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
         with bar:
             for i in todo:
                 with float32_master(gdns[i]) as gdn:

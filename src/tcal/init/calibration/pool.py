@@ -22,6 +22,7 @@ from tcal.init.calibration.calibrate import ArtifactStore, artifact_key, calibra
 from tcal.init.calibration.phase1 import apply_phase1
 from tcal.init.calibration.stats import collect_teacher_stats
 from tcal.runtime.distributed import Ranks
+from tcal.runtime.progress import progress
 from tcal.settings.schedule import lr_factor
 from tcal.student.alignment import alignment_loss, alignment_metrics
 from tcal.student.convert import layer_generator
@@ -114,7 +115,7 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
     def calibrate_some(todo: list[int]) -> Iterator[tuple[int, dict]]:
         log.info("full_plus: layers %s on a pool of %d + %d held-out windows", todo, len(pool.fit),
                  len(pool.held_out))
-        with tqdm(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step") as bar:
+        with progress(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step") as bar:
             for group in layer_groups(todo, layers_per_pass):
                 fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
                 held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
