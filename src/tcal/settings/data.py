@@ -38,9 +38,10 @@ class DataSettings(Settings):
     source: str = setting("shakespeare", affects=EVERYTHING)
     files: List[str] = setting(affects=EVERYTHING, factory=list)  # with source=files: local .txt / .jsonl documents
     split_seed: int = setting(0, affects=EVERYTHING)
-    calibration_docs: int = setting(2, affects=EVERYTHING)
+    calibration_docs: int = setting(2, affects=EVERYTHING)  # documents held out for calibration / selection
     evaluation_docs: int = setting(4, affects=[TRAIN, *EVALUATION])  # the calibration split stays as it is
     eval_files: List[str] = setting(affects=[PPL], factory=list)
+    # fraction of Stage 1 and Stage 2 samples replaced by synthetic retrieval sequences (0: off)
     retrieval_mix: float = setting(0.0, affects=[TRAIN])
 
     def check(self) -> None:

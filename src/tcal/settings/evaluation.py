@@ -44,7 +44,8 @@ class LocalHarnessSettings(HarnessSettings):
     """`local`: lm-eval on tasks built from held-out text (offline)."""
 
     name: str = setting("local", affects=[HARNESS])
-    n_examples: int = setting(200, affects=[HARNESS])
+    n_examples: int = setting(200, affects=[HARNESS])  # examples generated per task
+    # examples evaluated per task (null: all); keeps the CPU main job short
     limit: Optional[int] = setting(40, affects=[HARNESS])
     seed: int = setting(0, affects=[HARNESS])
     batch_size: int = setting(8, affects=[HARNESS])

@@ -39,14 +39,15 @@ PHASE1_RULES = ("decay", "write_gate", "value_scale", "output_gate")  # in the o
 class Phase1Settings(Settings):
     """Phase 1's closed-form rules: decay range, write-gate target, value-scale clip, output-gate damping."""
 
-    gamma_min: float = setting(1.0e-3, affects=[INIT])
+    gamma_min: float = setting(1.0e-3, affects=[INIT])  # clip of the decay rate ln2 / d_h
     gamma_max: float = setting(5.0, affects=[INIT])
-    beta_low: float = setting(0.3, affects=[INIT])
+    beta_low: float = setting(0.3, affects=[INIT])  # beta* = beta_low + beta_span * concentration
     beta_span: float = setting(0.4, affects=[INIT])
-    sigma_min: float = setting(0.1, affects=[INIT])
+    sigma_min: float = setting(0.1, affects=[INIT])  # clip of the OLS value scale
     sigma_max: float = setting(10.0, affects=[INIT])
+    # false: the reference code's hand loop (the paper's `full`); true keeps fla's 1/sqrt(dk)
     value_fit_query_scale: bool = setting(False, affects=[INIT])
-    gate_damping: float = setting(0.01, affects=[INIT])
+    gate_damping: float = setting(0.01, affects=[INIT])  # alpha = damping * RMS(ctx) / RMS(silu(Wv x))
 
     def check(self) -> None:
         for low, high in (("gamma_min", "gamma_max"), ("sigma_min", "sigma_max")):
@@ -67,7 +68,8 @@ class Phase2Settings(Settings):
     """Phase 2: per-layer alignment to the teacher's attention output on the calibration batch."""
 
     steps: int = setting(300, affects=[INIT])
-    lr_projections: float = setting(1.0e-4, affects=[INIT])
+    lr_projections: float = setting(1.0e-4, affects=[INIT])  # q, k, v
+    # a, b, g projections, A_log, dt_bias (Wo and o_norm stay frozen)
     lr_dynamics: float = setting(1.0e-3, affects=[INIT])
     weight_decay: float = setting(0.01, affects=[INIT])
     grad_clip: float = setting(1.0, affects=[INIT])
@@ -87,13 +89,15 @@ class CalibrationSettings(Settings):
     calibration batch (`batch_size` windows of `seq_len` calibration-split tokens), the recurrence's chunk size,
     the held-out check of every calibrated layer."""
 
-    batch_size: int = setting(4, affects=[INIT])
+    batch_size: int = setting(4, affects=[INIT])  # calibration sequences, from the calibration split
+    # also the full_plus pool's window length (2,048 measured worse: docs/results.md)
     seq_len: int = setting(256, affects=[INIT])
-    block_size: int = setting(256, affects=[INIT])
+    block_size: int = setting(256, affects=[INIT])  # query block of the streaming attention statistics
     # The held-out check measures each layer on unseen windows: no weight changes, and its tokens key the layer's
     # cache entry themselves (a layer's record holds its check only when it was made).
+    # also report each layer's alignment loss on batch_size - 1 unseen calibration-split windows
     check: bool = setting(True, affects=NOTHING)
-    cache: bool = setting(True, affects=NOTHING)
+    cache: bool = setting(True, affects=NOTHING)  # keep each calibrated layer on disk under paths.cache_dir/calibration
     phase1: Phase1Settings = setting(affects=[INIT], factory=Phase1Settings)
     phase2: Phase2Settings = setting(affects=[INIT], factory=Phase2Settings)
 
@@ -115,6 +119,7 @@ class InitSettings(Settings):
     """`naive` and `zero_gate`: the conversion, then (zero_gate) Wg = 0."""
 
     name: str = setting("naive", affects=[INIT])
+    # or row_repeat (the reference code's mistake, for comparison)
     gqa_expansion: str = setting("whole_head", affects=[INIT])
 
     def check(self) -> None:
@@ -161,7 +166,9 @@ class PoolSettings(Settings):
     """full_plus's pool: `tokens` of the calibration split cut into windows of calibration.seq_len, every
     `held_out_every`-th window held out; `layers_per_pass` layers share one teacher pass (memory only)."""
 
+    # cut into windows of calibration.seq_len tokens: 64 x 256, or 8 x 2,048 (same budget)
     tokens: int = setting(16384, affects=[INIT])
+    # every 8th window is held out: it only chooses which Phase 2 state to keep
     held_out_every: int = setting(8, affects=[INIT])
     layers_per_pass: Optional[int] = setting(None, affects=NOTHING)  # the same weights (tested), less memory
 
@@ -177,11 +184,13 @@ class PoolPhase2Settings(Settings):
     every `select_every` steps."""
 
     steps: int = setting(300, affects=[INIT])
-    batch_size: int = setting(4, affects=[INIT])
-    select_every: int = setting(25, affects=[INIT])
+    batch_size: int = setting(4, affects=[INIT])  # windows per step, drawn from the pool's fit windows
+    select_every: int = setting(25, affects=[INIT])  # held-out loss checked every this many steps, and after the last
+    # q, k, v (3e-4 gave 1.21x the teacher PPL against 1.14x, docs/results.md)
     lr_projections: float = setting(1.0e-3, affects=[INIT])
+    # a, b, g projections, A_log, dt_bias (Wo and o_norm stay frozen)
     lr_dynamics: float = setting(3.0e-3, affects=[INIT])
-    schedule: str = setting("constant", affects=[INIT])
+    schedule: str = setting("constant", affects=[INIT])  # or cosine: the learning rates decay to 0 over the steps
     weight_decay: float = setting(0.01, affects=[INIT])
     grad_clip: float = setting(1.0, affects=[INIT])
 
@@ -202,8 +211,11 @@ class FullPlusSettings(InitSettings):
     minibatches of a calibration-split pool, the state kept by held-out loss."""
 
     name: str = setting("full_plus", affects=[INIT])
+    # all four: dropping the other three costs 3% PPL (docs/results.md)
     phase1_rules: List[str] = setting(affects=[INIT], factory=lambda: list(PHASE1_RULES))
+    # overrides of calibration.phase1 (conf/calibration/default.yaml) for those rules
     phase1: Dict[str, Any] = setting(affects=[INIT], factory=lambda: {"sigma_min": 0.1, "sigma_max": 0.1})
+    # calibration-split windows only; the evaluation split is never read
     pool: PoolSettings = setting(affects=[INIT], factory=PoolSettings)
     phase2: PoolPhase2Settings = setting(affects=[INIT], factory=PoolPhase2Settings)
 

@@ -60,9 +60,10 @@ class ScoredRetentionSettings(RetentionSettings):
     """`ar` and `ga_s2`: layers scored on windows of the calibration split (scores cached unless cache=false)."""
 
     name: str = setting("ar", affects=[SCORES, KEEP])
-    seq_len: int = setting(256, affects=[SCORES])
+    seq_len: int = setting(256, affects=[SCORES])  # scoring windows from the calibration split
     num_windows: int = setting(8, affects=[SCORES])
     batch_size: int = setting(4, affects=[SCORES])
+    # reuse scores computed with the same key (false: score again, write nothing)
     cache: bool = setting(True, affects=NOTHING)
 
     def check(self) -> None:
@@ -80,13 +81,19 @@ class RecallRetentionSettings(RetentionSettings):
     chosen by that score, the rest by `fill`."""
 
     name: str = setting("recall", affects=[SCORES, KEEP])
-    seq_len: int = setting(256, affects=[SCORES])
+    seq_len: int = setting(256, affects=[SCORES])  # tokens per probe sequence
+    # probe sequences (the probe reads num_prompts x seq_len tokens per layer, plus one base pass)
     num_prompts: int = setting(8, affects=[SCORES])
     batch_size: int = setting(4, affects=[SCORES])
+    # draws the sequences: text slices, keys, values, wording, needle depths
     probe_seed: int = setting(0, affects=[SCORES])
+    # bypass: the layer's attention outputs 0; gdn: it is replaced by its initialized GDN (init=...)
     probe: str = setting("bypass", affects=[SCORES])
+    # how many of the kept layers the recall score chooses (null: all of them)
     scored: Optional[int] = setting(None, affects=[KEEP])
+    # the rest: text (highest text-loss rise, as AR would keep) or uniform (the uniform policy's slots)
     fill: str = setting("text", affects=[KEEP])
+    # reuse scores computed with the same key (false: score again, write nothing)
     cache: bool = setting(True, affects=NOTHING)
 
     def check(self) -> None:

@@ -41,7 +41,7 @@ class TeacherSettings(Settings):
     planning without the weights."""
 
     name: str = setting(REQUIRED, affects=NOTHING)
-    path: Optional[str] = setting(None, affects=EVERYTHING)
+    path: Optional[str] = setting(None, affects=EVERYTHING)  # a local HF folder overrides the random config
     package: Optional[str] = setting(None, affects=EVERYTHING)
     gguf_file: Optional[str] = setting(None, affects=EVERYTHING)
     dtype: str = setting("float32", affects=EVERYTHING)

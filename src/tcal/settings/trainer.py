@@ -37,6 +37,7 @@ class TrainerSettings(Settings):
     accelerator: str = setting("cpu", affects=[SCORES, INIT, TRAIN, *EVALUATION])
     devices: Any = setting(1, affects=[TRAIN, *EVALUATION])  # a count, a list of device ids, -1 or "auto"
     num_nodes: int = setting(1, affects=[TRAIN, *EVALUATION])
+    # auto (one device) | ddp | fsdp (FSDP2, tcal.training.run.ShardedStrategy)
     strategy: str = setting("auto", affects=[TRAIN])
     precision: str = setting("32-true", affects=[TRAIN, *EVALUATION])
     deterministic: bool = setting(False, affects=[TRAIN])
