@@ -8,6 +8,7 @@ recurrence on CPU (`chunk_gated_delta_rule_torch`), and a single recurrent step 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -19,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 log = logging.getLogger(__name__)
 
 _announced: set[str] = set()
+_traced_kernel = None  # a stand-in for the chunked kernel while `traced_kernel` is on (tcal-plan)
 
 
 def kernel_path(device: torch.device | str) -> str:
@@ -59,6 +61,19 @@ def kernel_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
+@contextlib.contextmanager
+def traced_kernel(kernel):
+    """Within the block, every multi-token call of `gated_delta_rule` runs `kernel(q, k, v, g, beta, initial_state,
+    output_final_state)` instead: how `tcal-plan` traces, on tensors of the meta device, what fla's CUDA kernel keeps
+    for backward. One process-wide switch, for planning only."""
+    global _traced_kernel
+    before, _traced_kernel = _traced_kernel, kernel
+    try:
+        yield
+    finally:
+        _traced_kernel = before
+
+
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, update_state: bool = False):
     """o_t = S_t q_t / sqrt(K), S_t = exp(g_t)(S_{t-1} - beta_t S_{t-1} k_t k_t^T) + beta_t v_t k_t^T.
 
@@ -75,6 +90,8 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=Fa
         in_place = update_state and initial_state is not None
         o, state = recurrent_step(*(t[:, 0].float() for t in (q, k, v, g, beta)), state.float(), scale, in_place)
         return o[:, None], state if output_final_state else None
+    if _traced_kernel is not None:
+        return _traced_kernel(q, k, v, g, beta, initial_state, output_final_state)
     if q.is_cuda:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 

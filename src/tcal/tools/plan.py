@@ -42,10 +42,8 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from unittest import mock
 
 import torch
-import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tcal.errors import ConfigError
@@ -162,8 +160,13 @@ class _FlashAttention(torch.autograd.Function):
         raise NotImplementedError
 
 
-def _flash_attention(query, key, value, *args, **kwargs):
-    return _FlashAttention.apply(query, key, value)
+PLAN_ATTENTION = "tcal_plan_flash"  # the attention implementation a traced student's kept layers run
+
+
+def _flash_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention interface around `_FlashAttention` ([B, H, T, D] in, [B, T, H, D] out, as its SDPA
+    path returns): what a kept layer keeps for backward under flash attention."""
+    return _FlashAttention.apply(query, key, value).transpose(1, 2).contiguous(), None
 
 
 class _FlaChunk(torch.autograd.Function):
@@ -182,22 +185,28 @@ class _FlaChunk(torch.autograd.Function):
         raise NotImplementedError
 
 
-def _fla_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False, update_state=False):
+def _fla_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False):
     return _FlaChunk.apply(q, k, v, g, beta), None
 
 
 @contextlib.contextmanager
-def kernels_of(device_type: str, on_meta: bool):
-    """On the meta device, the fused kernels of `device_type` ("cpu" or "cuda") stand in: flash attention for SDPA,
-    and on CUDA fla's chunk kernel for the delta rule (the CPU path is plain torch and is traced as it is). Real
-    tensors run the real kernels."""
-    import tcal.student.gdn
+def kernels_of(device_type: str, on_meta: bool, config=None):
+    """On the meta device, the fused kernels of `device_type` ("cpu" or "cuda") stand in: flash attention in the
+    kept layers of the decoder whose config is `config` (transformers' attention interface, `PLAN_ATTENTION`), and
+    on CUDA fla's chunk kernel for the delta rule (`tcal.student.gdn.traced_kernel`; the CPU path is plain torch and
+    is traced as it is). Real tensors run the real kernels."""
+    from transformers import AttentionInterface
+
+    from tcal.student.gdn import traced_kernel
 
     with contextlib.ExitStack() as stack:
-        if on_meta:
-            stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention", _flash_attention))
+        if on_meta and config is not None:
+            AttentionInterface.register(PLAN_ATTENTION, _flash_attention)
+            before = config._attn_implementation
+            config._attn_implementation = PLAN_ATTENTION
+            stack.callback(setattr, config, "_attn_implementation", before)
         if on_meta and device_type == "cuda":
-            stack.enter_context(mock.patch.object(tcal.student.gdn, "gated_delta_rule", _fla_chunk))
+            stack.enter_context(traced_kernel(_fla_chunk))
         yield
 
 
@@ -269,7 +278,7 @@ def trace_decoder(student, batch: int, seq_len: int, device_type: str) -> LayerT
             return SavedTensors()
         layer = model.layers[index]
         inner = layer.self_attn if index in config.gdn_layers else None
-        with kernels_of(device_type, x.is_meta), SavedTensors(shared, inner).recording() as saved:
+        with kernels_of(device_type, x.is_meta, model.config), SavedTensors(shared, inner).recording() as saved:
             out = layer(x, attention_mask=None, position_embeddings=position_embeddings, use_cache=False)
         del out
         return saved
