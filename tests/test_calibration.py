@@ -7,6 +7,7 @@ Everything is tiny (hidden 16-64, a few dozen tokens, a handful of Phase 2 steps
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from pathlib import Path
 
@@ -14,9 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import compose, isolated_cache_dir, make_teacher
-from omegaconf import OmegaConf
 
-from tcal.cli.app import CONF_DIR
 from tcal.data.documents import token_stream
 from tcal.init import apply_init, init_student
 from tcal.init.calibration import align as align_module
@@ -39,6 +38,7 @@ from tcal.init.calibration.phase1 import (
     write_targets,
 )
 from tcal.init.calibration.stats import LayerStats, blockwise_attention, collect_teacher_stats
+from tcal.store.fingerprint import plain
 from tcal.student.alignment import alignment_loss_value
 from tcal.student.convert import build_student, naive_gdn
 from tcal.student.gdn import GatedDeltaNet
@@ -48,17 +48,14 @@ PHASE1_PARAMS = ("A_log", "dt_bias", "b_proj.weight", "v_proj.weight", "g_proj.w
 
 
 def calibration_cfg(**phase2):
-    """The shipped `conf/calibration/default.yaml`, with small Phase 2 / block settings for tests."""
-    cfg = OmegaConf.load(Path(CONF_DIR) / "calibration" / "default.yaml")
-    cfg.block_size = 16
-    cfg.phase2.steps = 4
-    for key, value in phase2.items():
-        cfg.phase2[key] = value
-    return cfg
+    """The shipped calibration settings (`tcal init=full`), with small Phase 2 / block settings for tests."""
+    settings = compose("init=full", "calibration.block_size=16").calibration
+    return dataclasses.replace(settings, phase2=dataclasses.replace(settings.phase2, **{"steps": 4, **phase2}))
 
 
 def init_cfg(mode: str):
-    return OmegaConf.load(Path(CONF_DIR) / "init" / f"{mode}.yaml")
+    """The shipped init settings of `tcal init=<mode>`."""
+    return compose(f"init={mode}").init
 
 
 def uniform_closed_form(t_len: int) -> tuple[float, float]:
@@ -489,7 +486,7 @@ def test_artifact_cache_reuses_layers(teacher, tokens, tmp_path, monkeypatch):
 
 
 def test_artifact_key_depends_on_every_input(teacher, tokens):
-    settings = OmegaConf.to_container(calibration_cfg(steps=3), resolve=True)
+    settings = plain(calibration_cfg(steps=3))
     naive = naive_gdn(teacher, 1)
     key = artifact_key(teacher, 1, ("phase1", "phase2"), tokens, settings, naive)
     assert key == artifact_key(teacher, 1, ("phase1", "phase2"), tokens.clone(), copy.deepcopy(settings), naive_gdn(teacher, 1))
