@@ -190,13 +190,18 @@ def chosen_groups(overrides: list[str]) -> tuple[tuple[str, ...], tuple[str, ...
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["seed=7", "stage=distill", "stage.lr_mixer=0.5"],
+    (["seed=7", *DISTILL, "stage.lr_mixer=0.5"],
      r"the run was started with other settings \(seed=7 \(that run: 0\), stage.lr_mixer=0.5 \(that run: 0.0001\)\); "
      r"expected only settings that change nothing \(paths, logger, save_student, task_name, cache switches\)"),
     (["experiment=smoke", "eval.num_windows=2", "init=full"],
      r"the run was started with other settings \(init.name='full' \(that run: 'naive'\)\); expected"),
     (["experiment=smoke", "eval.num_windows=3"],
      r"the run was started with other settings \(eval.num_windows=3 \(that run: 2\)\); expected"),
+    # a group counts by every key its option holds, not by its name: the same option with other values is refused
+    (["stage=distill"], r"the run was started with other settings \(stage.batch_size=4 \(that run: 2\), "),
+    (["trainer=ddp"], r"the run was started with other settings \(trainer.accelerator='auto' \(that run: 'cpu'\), "
+                      r"trainer.devices=2 \(that run: 1\), "),
+    (["teacher=tiny_qwen3"], r"the run was started with other settings \(teacher.config="),
 ])
 def test_resume_refuses_overrides_that_change_the_run(overrides, match, recorded_run):
     cfg = compose(f"resume={recorded_run}", *overrides)
@@ -208,8 +213,8 @@ def test_resume_refuses_overrides_that_change_the_run(overrides, match, recorded
 
 
 def test_resume_takes_safe_overrides_and_the_run_s_own_settings(recorded_run):
-    overrides = ["experiment=smoke", "init=naive", "eval.num_windows=2", "paths.cache_dir=/cache/b", "logger=none",
-                 "save_student=false", "stage=distill", "stage.lr_mixer=0.0001"]
+    overrides = [*TINY, *DISTILL, "paths.cache_dir=/cache/b", "logger=none", "save_student=false",
+                 "stage.lr_mixer=0.0001"]
     cfg = compose(f"resume={recorded_run}", *overrides)
     check_arguments([f"resume={recorded_run}", *overrides])
     record = json.loads((recorded_run / "results.json").read_text())
@@ -218,3 +223,40 @@ def test_resume_takes_safe_overrides_and_the_run_s_own_settings(recorded_run):
     expected["paths"] = {**expected["paths"], "cache_dir": "/cache/b"}
     expected["logger"] = {"name": "none", "project": None, "group": None}
     assert resumed.tree() == expected
+
+
+def test_a_bare_resume_continues_the_run_as_recorded(tmp_path):
+    """`tcal resume=DIR` with nothing else keeps every setting of the run, those that change nothing included: its
+    teacher's name, task name, logger and paths are the run's, not the resume command's defaults."""
+    recorded = compose(*TINY, *DISTILL, "teacher.name=my_teacher", "task_name=my_task", "logger=wandb",
+                       "logger.project=p", "paths.cache_dir=/cache/a", "paths.output_dir=/runs")
+    (tmp_path / "results.json").write_text(json.dumps(example_record("initialized", config=recorded.tree())))
+    resumed = resumed_settings(tmp_path, json.loads((tmp_path / "results.json").read_text()),
+                               compose(f"resume={tmp_path}"), compose())
+    assert resumed.tree() == {**recorded.tree(), "resume": str(tmp_path)}
+    logger_only = resumed_settings(tmp_path, json.loads((tmp_path / "results.json").read_text()),
+                                   compose(f"resume={tmp_path}", "logger=csv"), compose(), ("logger",))
+    assert logger_only.logger.name == "csv" and logger_only.task_name == "my_task"
+
+
+def test_a_bare_resume_keeps_the_teacher_and_task_name_and_recalibrates_nothing(tmp_path):
+    """A Stage 2 run of a renamed teacher and task, killed after its first checkpoint, continued as the `tcal` entry
+    continues `tcal resume=DIR` (nothing else on the command): the record keeps the teacher's and the task's names,
+    every calibrated layer comes from the cache the run wrote (under its teacher's name), and the curve is the
+    uninterrupted run's."""
+    cache = isolated_cache_dir(tmp_path / "cache")
+    named = (*TINY, "init=phase2", *DISTILL, "teacher.name=renamed_llama", "task_name=my_task",
+             f"paths.cache_dir={cache}")
+    run(compose(*named), tmp_path / "straight")
+    killed = tmp_path / "killed"
+    with pytest.raises(Kill):
+        run(compose(*named), killed, callbacks=[KillAt("distill", 3)])
+    assert (killed / "checkpoints" / "distill" / "last.ckpt").is_file()
+    settings = app.resumed(compose(f"resume={killed}"), compose(), [f"resume={killed}"])
+    run_in(settings, killed)
+    record, straight = read(killed), read(tmp_path / "straight")
+    assert record["status"] == "complete"
+    assert record["teacher"]["name"] == "renamed_llama" and record["config"]["task_name"] == "my_task"
+    assert record["config"]["paths"]["cache_dir"] == cache
+    assert record["calibration"]["layers"] and all(layer["cached"] for layer in record["calibration"]["layers"].values())
+    assert record["curve"] == straight["curve"] and record["stages"]["distill"]["resumed"]

@@ -135,13 +135,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TCAL_CACHE_DIR") or ".cache/tcal")
 
 
+def step_settings(teacher: Teacher, **groups) -> RunSettings:
+    """The complete settings of one step: the teacher's, the groups the step was given (None: the group's default)
+    and the defaults of the rest. A step derives every cache key it reads or writes from these
+    (`tcal.settings.relevance.cache_settings`), and each step takes every group whose fields enter its keys (a test
+    checks it for every cached product), so the API and `tcal` use the same keys under the same settings."""
+    return RunSettings(teacher=teacher.settings, **{name: value for name, value in groups.items() if value is not None})
+
+
 def context(teacher: Teacher, splits: Splits, settings: RunSettings, cache_dir=None, run_dir=None,
             ranks: Ranks | None = None) -> RunContext:
-    """The `RunContext` the library's steps read, for one call."""
+    """The `RunContext` the library's steps read, for one call (`settings` from `step_settings`)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = Path(run_dir) if run_dir is not None else Path("outputs") / "python_api"  # stage checkpoints only
-    return RunContext(dataclasses.replace(settings, teacher=teacher.settings), teacher.model, teacher.tokenizer,
-                      splits, cache, folder, ranks=ranks or Ranks())
+    return RunContext(settings, teacher.model, teacher.tokenizer, splits, cache, folder, ranks=ranks or Ranks())
 
 
 @step
@@ -166,13 +173,15 @@ def load_data(settings: DataSettings | None = None) -> Splits:
 @step
 def select_layers(teacher: Teacher, splits: Splits, retention: RetentionSettings | ExplicitRetentionSettings,
                   init: InitSettings | None = None, calibration: CalibrationSettings | None = None, seed: int = 0,
-                  cache_dir: PathLike | None = None, ranks: Ranks | None = None) -> Selection:
+                  cache_dir: PathLike | None = None, ranks: Ranks | None = None, data: DataSettings | None = None,
+                  trainer: TrainerSettings | None = None) -> Selection:
     """The layers that keep softmax attention (`Selection.keep_layers`) by `retention`'s policy; `ga_s2` scores
-    students initialized with `init` (and `calibration`)."""
+    students initialized with `init` (and `calibration`). `data` (the settings `splits` came from) and `trainer`
+    enter the score cache's key as they enter `tcal`'s."""
     from tcal.retention import select_layers as select
 
-    settings = RunSettings(retention=retention, init=init or InitSettings(),
-                           calibration=calibration or CalibrationSettings(), seed=seed)
+    settings = step_settings(teacher, retention=retention, init=init or InitSettings(), calibration=calibration,
+                             seed=seed, data=data, trainer=trainer)
     check_keep_list(settings, teacher.num_layers)
     lengths = [("retention.seq_len", retention.seq_len)] if hasattr(retention, "seq_len") else []
     if retention.name == "ga_s2" or getattr(retention, "probe", None) == "gdn":
@@ -194,11 +203,13 @@ def build_student(teacher: Teacher | torch.nn.Module, keep_layers: list | tuple,
 @step
 def initialize(student: torch.nn.Module, teacher: Teacher, splits: Splits, init: InitSettings,
                calibration: CalibrationSettings | None = None, seed: int = 0, cache_dir: PathLike | None = None,
-               ranks: Ranks | None = None) -> dict:
-    """Initialize the student's GDN layers in place by init mode `init.name`; returns the calibration record."""
+               ranks: Ranks | None = None, data: DataSettings | None = None,
+               trainer: TrainerSettings | None = None) -> dict:
+    """Initialize the student's GDN layers in place by init mode `init.name`; returns the calibration record.
+    `data` (the settings `splits` came from) and `trainer` enter the calibration cache's key as they enter `tcal`'s."""
     from tcal.init import init_student
 
-    settings = RunSettings(init=init, calibration=calibration or CalibrationSettings(), seed=seed)
+    settings = step_settings(teacher, init=init, calibration=calibration, seed=seed, data=data, trainer=trainer)
     if settings.calibrates():
         check_fit([("calibration.seq_len", settings.calibration.seq_len)], context_length(teacher))
     return init_student(student, init, context(teacher, splits, settings, cache_dir, ranks=ranks))
@@ -235,8 +246,7 @@ def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: S
     stage = stage or DistillSettings()
     if tokens is not None:
         stage = with_budget(stage, int(tokens))
-    settings = RunSettings(data=data or DataSettings(), stage=stage, eval=eval or EvalSettings(),
-                           trainer=trainer or TrainerSettings(), seed=seed)
+    settings = step_settings(teacher, data=data, stage=stage, eval=eval, trainer=trainer, seed=seed)
     check_trainer(settings.trainer)
     check_budgets(settings)
     check_fit([*((f"{key}.seq_len", node.seq_len) for key, node in settings.stage.stages()),
@@ -276,8 +286,7 @@ def evaluate(student: torch.nn.Module, teacher: Teacher, splits: Splits, eval: E
     the `metrics`, `harness` and `ruler` entries of a results.json."""
     from tcal.evaluate.suite import evaluate as run_evaluation
 
-    settings = RunSettings(data=data or DataSettings(), eval=eval or EvalSettings(),
-                           trainer=trainer or TrainerSettings())
+    settings = step_settings(teacher, data=data, eval=eval, trainer=trainer)
     check_trainer(settings.trainer)
     check_fit(settings.eval.lengths(), context_length(teacher))  # the same check as `tcal`'s, on the loaded teacher
     ctx = context(teacher, splits, settings, cache_dir, ranks=ranks)

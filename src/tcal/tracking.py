@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import uuid
 from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger
@@ -48,14 +49,26 @@ def wandb_has_credentials() -> bool:
     return bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
 
 
-def wandb_logger(project: str, run_dir: Path, name: str, group: str | None = None, tags=(), config=None):
-    """A WandbLogger writing under run_dir; offline (sync later with `wandb sync`) when no API key is set."""
+def wandb_logger(project: str, run_dir: Path, name: str, group: str | None = None, tags=(), config=None,
+                 run_id: str | None = None):
+    """A WandbLogger writing under run_dir; offline (sync later with `wandb sync`) when no API key is set. With
+    `run_id` it logs to that W&B run, continuing it when it exists (a resumed run)."""
     from lightning.pytorch.loggers import WandbLogger
 
     offline = os.environ.get("WANDB_MODE") == "offline" or not wandb_has_credentials()
     Path(run_dir).mkdir(parents=True, exist_ok=True)
+    continued = {"id": run_id, "resume": "allow"} if run_id else {}
     return WandbLogger(project=project, name=name, group=group, tags=list(tags), save_dir=str(run_dir),
-                       offline=offline, config=config)
+                       offline=offline, config=config, **continued)
+
+
+def wandb_identity(settings, earlier: dict | None = None) -> dict:
+    """The W&B run a run logs to, as results.json keeps it (`wandb`): its id, drawn once and kept by the record so
+    that every resume and requeue continues the same W&B run, its project, and its group (`logger.group`, or the
+    run's own init mode when that is null: a resume's command cannot regroup it)."""
+    kept = (earlier or {}).get("wandb") or {}
+    return {"id": kept.get("id") or uuid.uuid4().hex[:16], "project": settings.logger.project,
+            "group": settings.logger.group or settings.init.name}
 
 
 class ContinuedExperimentWriter(ExperimentWriter):
@@ -101,8 +114,9 @@ def drop_rows_after(logger, kind: str, tokens: int | None) -> None:
         logger.experiment.drop_rows_after(kind, tokens)
 
 
-def make_logger(settings, run_dir: Path):
-    """The Lightning logger `settings.logger` names (a `RunSettings`), or None for `none`."""
+def make_logger(settings, run_dir: Path, wandb: dict | None = None):
+    """The Lightning logger `settings.logger` names (a `RunSettings`), or None for `none`; `wandb`: the W&B run
+    (`wandb_identity`) a `wandb` logger logs to."""
     name = settings.logger.name
     if name == "none":
         return None
@@ -110,8 +124,9 @@ def make_logger(settings, run_dir: Path):
         return ContinuedCSVLogger(save_dir=str(run_dir), name="logs", version="", flush_logs_every_n_steps=1)
     if name == "wandb":
         tags = [settings.teacher.name, settings.retention.name, settings.init.name, settings.stage.label()]
-        return wandb_logger(settings.logger.project, run_dir, "-".join(tags), settings.logger.group, tags,
-                            settings.tree())
+        wandb = wandb or wandb_identity(settings)
+        return wandb_logger(wandb["project"], run_dir, "-".join(tags), wandb["group"], tags, settings.tree(),
+                            wandb["id"])
     raise ValueError(f"logger={name!r}; expected none, csv or wandb")
 
 

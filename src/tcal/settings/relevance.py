@@ -66,13 +66,22 @@ def differences(old, new, counted: Iterable[str] = ("result", "eval")) -> list[t
 def with_fields(settings, source, level: str = "none"):
     """`settings` with the values of `source` for every field of `level` (by default: the fields that change
     nothing), nested settings replaced where they hold such fields."""
+    keys = {key for key, (_, changes) in leaves(settings).items() if relevance(changes) == level}
+    return with_values(settings, source, keys)
+
+
+def with_values(settings, source, keys: Iterable[str]):
+    """`settings` with the values `source` holds for the dotted `keys` (those either object lacks are skipped),
+    every other field as it is: what a resumed run takes of the command that continues it."""
+    keys = set(keys)
     if not dataclasses.is_dataclass(settings) or type(settings) is not type(source):
         return settings
     changes = {}
     for field in dataclasses.fields(settings):
         mine, theirs = getattr(settings, field.name), getattr(source, field.name)
-        if dataclasses.is_dataclass(mine):
-            changes[field.name] = with_fields(mine, theirs, level)
-        elif relevance(affects(field)) == level:
+        inside = {key[len(field.name) + 1:] for key in keys if key.startswith(f"{field.name}.")}
+        if dataclasses.is_dataclass(mine) and inside:
+            changes[field.name] = with_values(mine, theirs, inside)
+        elif field.name in keys and not dataclasses.is_dataclass(mine):
             changes[field.name] = theirs
-    return dataclasses.replace(settings, **changes)
+    return dataclasses.replace(settings, **changes) if changes else settings

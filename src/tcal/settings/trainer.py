@@ -85,7 +85,8 @@ def check_devices(devices) -> None:
 @declared
 @dataclass
 class LoggerSettings(Settings):
-    """Where metrics go: `csv` (RUN_DIR/logs/metrics.csv), `wandb` (`project`, runs grouped by `group`), `none`."""
+    """Where metrics go: `csv` (RUN_DIR/logs/metrics.csv), `wandb` (`project`, runs grouped by `group`, or by the
+    run's init mode when it is null), `none`."""
 
     name: str = setting("csv", affects=NOTHING)
     project: Optional[str] = setting(None, affects=NOTHING)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tcal.errors import ConfigError, DamagedCheckpoint, FolderInUse
 from tcal.settings import RunSettings
-from tcal.settings.relevance import differences, with_fields
+from tcal.settings.relevance import differences, leaves, with_values
 from tcal.store.locks import describe_holder, holder_of, locked
 
 SHOWN = 4  # differing keys named in a message
@@ -67,21 +67,37 @@ def folder_state(run_dir: Path, record: dict | None, settings: RunSettings) -> s
 
 def resumed_settings(run_dir: Path, record: dict, current: RunSettings, defaults: RunSettings,
                      chosen_groups: tuple[str, ...] = (), named: tuple[str, ...] = ()) -> RunSettings:
-    """The settings of the run recorded in `run_dir`, with this command's values of the settings that change
-    nothing. `current` is what this command composed and `defaults` what no override composes: a setting the
-    command changed from its default (an override, an experiment's key) to another value than the run's is
-    refused, since a resumed run continues with the settings it was started with. A config group the command
-    chooses (`chosen_groups`, dotted: `eval.harness`) counts by its option's name, not by that option's values;
-    a key the command sets (`named`) always counts."""
+    """The settings of the run recorded in `run_dir`, continued with what this command sets. `current` is what the
+    command composed and `defaults` what no override composes. A setting the command does not set keeps the run's
+    recorded value (its teacher's name, task name, logger, paths): a bare `tcal resume=DIR` continues the run as
+    it was. A setting it sets (`commanded_keys`) is honoured when it changes nothing and refused, naming it, when it
+    changes the run's result or evaluation."""
     recorded = recorded_settings(run_dir, record)
-    inside = tuple(f"{group}." for group in chosen_groups)
-    changed = {key for key, _, _ in differences(defaults, current) if not key.startswith(inside)}
-    changed |= {f"{group}.name" for group in chosen_groups} | set(named)
-    diffs = [d for d in differences(recorded, current) if d[0] in changed]
+    commanded = commanded_keys(current, defaults, chosen_groups, named)
+    diffs = [d for d in differences(recorded, current) if d[0] in commanded]
     if diffs:
-        raise FolderInUse(f"resume={run_dir}: the run was started with other settings ({describe(diffs)}); "
-                          f"expected {SAFE} to change on resume")
-    return with_fields(recorded, current)
+        raise FolderInUse(f"resume={run_dir}: the run was started with other settings "
+                          f"({describe(by_option(diffs, chosen_groups))}); expected {SAFE} to change on resume")
+    return with_values(recorded, current, commanded)
+
+
+def commanded_keys(current: RunSettings, defaults: RunSettings, chosen_groups: tuple[str, ...] = (),
+                   named: tuple[str, ...] = ()) -> set[str]:
+    """The dotted keys a command sets: those it changed from their defaults (an override, an experiment's key), every
+    key of a config group it chooses (`chosen_groups`, dotted: `eval.harness`; a group counts by everything its
+    option holds, so `trainer=ddp` sets `trainer.devices`), and the keys it names (`named`)."""
+    every = ("result", "eval", "none")
+    commanded = {key for key, _, _ in differences(defaults, current, counted=every)}
+    for group in chosen_groups:
+        commanded |= {key for key in leaves(current) if key.startswith(f"{group}.")}
+    return commanded | set(named)
+
+
+def by_option(diffs: list[tuple[str, object, object]], chosen_groups: tuple[str, ...]) -> list:
+    """`diffs` with those inside a chosen group whose option's name differs told once, as that name."""
+    renamed = [group for group in chosen_groups if any(d[0] == f"{group}.name" for d in diffs)]
+    return [d for d in diffs if d[0] in (f"{g}.name" for g in renamed) or not d[0].startswith(
+        tuple(f"{g}." for g in renamed))]
 
 
 def checkpoint_progress(path: Path) -> dict:
