@@ -28,6 +28,8 @@ from typing import Callable, Iterable, TypeVar
 import torch
 import torch.distributed as dist
 
+from tcal.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -203,6 +205,18 @@ def ranks_started_outside() -> bool:
         TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment))
 
 
+def check_tasks_match(world: int) -> None:
+    """A SLURM job runs one task per rank: an sbatch of fewer tasks than the trainer's ranks (one task and 8 GPUs)
+    would wait in Lightning's launcher or fail with its own error; it is one line saying what to run instead."""
+    tasks = os.environ.get("SLURM_NTASKS")
+    if tasks is None or "LOCAL_RANK" in os.environ or not tasks.isdigit() or int(tasks) == world:
+        return
+    raise ConfigError(f"trainer asks for {world} ranks (trainer.devices x trainer.num_nodes), but this SLURM job has "
+                      f"{tasks} task{'s' if tasks != '1' else ''} (SLURM_NTASKS={tasks}); expected one task per rank: "
+                      f"#SBATCH --ntasks-per-node=<devices per node> with `srun tcal ...`, or "
+                      f"`tcal ... hydra/launcher=slurm_gpu` from a login node")
+
+
 def starts_ranks(trainer_cfg) -> bool:
     """Whether this process must start the run's ranks itself (`tcal.cli.rank`): a multi-device trainer, and no
     ranks started from outside."""
@@ -220,6 +234,7 @@ def launch(trainer_cfg) -> Ranks:
         raise RuntimeError(f"tcal.runtime.distributed.launch: {world} ranks asked for, but this process is not one of them "
                            f"(no LOCAL_RANK, SLURM, torchrun, LSF or MPI environment); the job starts its ranks "
                            f"with tcal.cli.rank")
+    check_tasks_match(world)
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
 

@@ -4,12 +4,14 @@ A lock is a POSIX `flock` on a small file that holds its holder's pid, host and 
 drops the lock when its holder exits, however it ends (SIGKILL too), so a hold left by a dead process is no
 hold: the next taker gets it and says whose stale hold it took over. A process that finds the lock held reads
 who holds it, to refuse with one line naming the holder (`hold`) or to say what it waits for (`wait_for`).
-Without flock (Windows) locks are not taken.
+Without flock (Windows) locks are not taken; on a filesystem whose flock fails (NFS without a lock daemon, Lustre
+mounted with noflock) the run is refused in one line naming the folder (`LocksUnsupported`), before any work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -19,12 +21,28 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from tcal.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 try:
     import fcntl
 except ImportError:  # no flock
     fcntl = None
+
+
+# what flock says on a filesystem that has no locks (NFS without a lock daemon, Lustre mounted with noflock, ...)
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class LocksUnsupported(ConfigError):
+    """A run folder or cache on a filesystem without `flock`: one run per folder and one builder per cache entry
+    cannot be kept there, so it is refused before any work, naming the folder."""
+
+    def __init__(self, path: Path, err: OSError):
+        super().__init__(f"{Path(path).parent}: its filesystem does not support file locks (flock: "
+                         f"{os.strerror(err.errno)}); expected run and cache folders on a filesystem with locks: put "
+                         f"paths.cache_dir and paths.output_dir on node-local or lock-capable storage")
 
 
 def holder_of(path: Path) -> dict:
@@ -65,6 +83,11 @@ def _open_locked(path: Path, blocking: bool):
         except BlockingIOError:
             handle.close()
             return None
+        except OSError as err:
+            handle.close()
+            if err.errno in NO_LOCKS:
+                raise LocksUnsupported(path, err) from None
+            raise
         try:
             same = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
         except FileNotFoundError:
