@@ -16,7 +16,12 @@ Checks, each a line with `"ok": true|false` (the exit code is 1 when any is fals
   under `trainer=gpu` (curve within 1e-3 relative), and `bf16_kernel_inputs`: the dtypes fla's chunk kernel
   received during the FSDP run's training under bf16-mixed (bfloat16 q, k, v expected);
 - `kill_resume`: the FSDP run SIGKILLed in a child process after its first checkpoint, then resumed: its curve
-  against the uninterrupted run's (within 1e-3 relative).
+  against the uninterrupted run's (within 1e-3 relative);
+- `qwen3_8b_slice`: Qwen3-8B's width on 4 random layers, Stage 2 under the paper's distill settings (batch, 4,096
+  tokens, layer checkpointing) in bf16-mixed: the measured step peak against `tcal-plan`'s (within 15%), and the peak
+  of the stage's end and the final evaluation;
+- `fsdp_two` (two GPUs or more): a 2-rank FSDP2 Stage 1 then Stage 2 under the paper's checkpointing flags in
+  bf16-mixed completes, finite, with a falling Stage 2 loss.
 Without CUDA it prints one line saying so and exits 0.
 """
 
@@ -299,8 +304,107 @@ def check_kill_resume() -> None:
          child_stderr_tail=child.stderr[-300:] if child.returncode != -9 else "")
 
 
+PAPER = "experiment=qwen3_8b_uniform_r025_align_distill"
+# Qwen3-8B's width (its published config.json) on 4 random layers: one kept softmax layer, three GDN at ratio 0.25.
+QWEN3_8B_SLICE = ["teacher=tiny_qwen3", "teacher.config.hidden_size=4096", "teacher.config.intermediate_size=12288",
+                  "teacher.config.num_attention_heads=32", "teacher.config.num_key_value_heads=8",
+                  "teacher.config.head_dim=128", "teacher.config.vocab_size=151936",
+                  "teacher.config.max_position_embeddings=40960", "teacher.config.tie_word_embeddings=false",
+                  "teacher.dtype=bfloat16", "retention.ratio=0.25", "init=naive"]
+SLICE_STEPS = 4
+
+
+def paper_stage_overrides(kind: str, steps: int, ranks: int = 1) -> list[str]:
+    """The paper experiment's settings of stage `kind` (batch, length, checkpointing, lr), with a budget of `steps`."""
+    node = getattr(compose_cfg(PAPER).stage, kind)
+    tokens = steps * node.batch_size * node.seq_len * ranks
+    keys = ("batch_size", "seq_len", "checkpoint_mixers", "activation_checkpointing", "fused_optimizer", "lr_mixer",
+            "lr") if kind == "distill" else ("batch_size", "seq_len", "checkpoint_mixers", "lr")
+    values = {key: getattr(node, key) for key in keys if hasattr(node, key)}
+    return [f"stage.{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in
+            values.items()] + [f"stage.max_tokens={tokens}", f"stage.eval_every_tokens={tokens}"]
+
+
+def slice_settings(cache_dir: str, device: str = "gpu"):
+    """The Qwen3-8B-width slice's Stage 2 under the paper's distill settings, bf16-mixed on one device."""
+    return compose_cfg(*QWEN3_8B_SLICE, "stage=distill", *paper_stage_overrides("distill", SLICE_STEPS),
+                       f"trainer={device}", "trainer.precision=bf16-mixed", "eval/harness=none",
+                       "eval.num_windows=1", "eval.seq_len=2048", "save_student=false", "logger=none",
+                       f"paths.cache_dir={cache_dir}")
+
+
+class StepPeak:
+    """A Lightning callback keeping the CUDA allocator's peak over the training steps, then resetting it, so that
+    what the stage's end and the final evaluation reach is measured apart."""
+
+    def __new__(cls):
+        from lightning.pytorch.callbacks import Callback
+
+        class _StepPeak(Callback):
+            peak = 0
+
+            def on_train_start(self, trainer, module):
+                torch.cuda.reset_peak_memory_stats()
+
+            def on_train_end(self, trainer, module):
+                _StepPeak.peak = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+
+        return _StepPeak()
+
+
+def check_qwen3_8b_slice() -> None:
+    """A Qwen3-8B-width slice's Stage 2 step peak against `tcal-plan` (within 15%), and what the stage's end and the
+    final evaluation reach."""
+    from tcal.pipeline import run
+    from tcal.tools.plan import make_plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = slice_settings(f"{tmp}/cache")
+        planned = make_plan(settings)["stages"]["distill"]
+        step = StepPeak()
+        results = run(settings, Path(tmp) / "run", callbacks=[step])
+        after_step = torch.cuda.max_memory_allocated()
+    measured, predicted = step.peak / 2**30, planned["peak_gb"]
+    emit("qwen3_8b_slice", abs(measured / predicted - 1) <= 0.15, step_peak_gb=measured,
+         planned_step_peak_gb=predicted, stage_end_and_eval_peak_gb=after_step / 2**30,
+         steps=results["stages"]["distill"]["steps"], loss_last=results["stages"]["distill"]["loss_last"])
+
+
+def two_rank_command(run_dir: str, cache_dir: str) -> list[str]:
+    """`tcal` for a 2-rank FSDP align_distill of a tiny Qwen2 under the paper's stage flags, bf16-mixed."""
+    align = [f"stage.align.{o.removeprefix('stage.')}" for o in paper_stage_overrides("align", 4, 2)]
+    distill = [f"stage.distill.{o.removeprefix('stage.')}" for o in paper_stage_overrides("distill", 4, 2)]
+    shorter = ["stage.align.seq_len=512", "stage.align.max_tokens=16384", "stage.align.eval_every_tokens=8192",
+               "stage.distill.seq_len=1024", "stage.distill.max_tokens=32768", "stage.distill.eval_every_tokens=16384",
+               "stage.align.batch_size=4", "stage.distill.batch_size=4"]
+    return [sys.executable, "-m", "tcal.cli.app", "teacher=tiny_qwen2", "init=naive", "stage=paper", *align, *distill,
+            *shorter, "trainer=fsdp", "trainer.accelerator=gpu", "trainer.devices=2", "trainer.precision=bf16-mixed",
+            "eval/harness=none", "eval.num_windows=4", "save_student=false", "logger=none",
+            f"hydra.run.dir={run_dir}", f"paths.cache_dir={cache_dir}"]
+
+
+def check_fsdp_two() -> None:
+    """Two ranks, FSDP2, Stage 1 then Stage 2 with the paper's checkpointing flags (GPUs 0 and 1)."""
+    import subprocess
+
+    if torch.cuda.device_count() < 2:
+        emit("fsdp_two", None, skipped=f"{torch.cuda.device_count()} GPU visible; two are needed")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(two_rank_command(f"{tmp}/run", f"{tmp}/cache"), capture_output=True, text=True,
+                              timeout=1200, cwd=ROOT)
+        record = json.loads((Path(tmp) / "run" / "results.json").read_text()) if done.returncode == 0 else {}
+    stages = record.get("stages", {})
+    losses = [stages.get(kind, {}).get(key) for kind in ("align", "distill") for key in ("loss_first", "loss_last")]
+    ok = record.get("status") == "complete" and all(x is not None and math.isfinite(x) for x in losses)
+    emit("fsdp_two", ok and losses[3] < losses[2], exit=done.returncode, losses=losses,
+         stderr_tail=done.stderr[-300:] if done.returncode else "")
+
+
 CHECKS = {"kernels": check_kernels, "zero_shot": check_zero_shot, "stage2": check_stage2, "decode": check_decode,
-          "qwen_width": check_qwen_width, "fsdp": check_fsdp_single, "kill_resume": check_kill_resume}
+          "qwen_width": check_qwen_width, "fsdp": check_fsdp_single, "kill_resume": check_kill_resume,
+          "qwen3_8b_slice": check_qwen3_8b_slice, "fsdp_two": check_fsdp_two}
 
 
 def main(argv=None) -> int:
