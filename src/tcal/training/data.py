@@ -1,8 +1,22 @@
 """Training data: the training split tokenized once, packed into fixed-length windows, served by token budget.
 
-The token stream of a split is cached on disk (`tcal.data.documents.token_stream`, `paths.cache_dir/tokens/`), so the
-runs of a sweep tokenize once. Only the training split is read here: calibration and evaluation documents never
-reach a training batch.
+The training split's tokens come from the token store (`tcal.data.token_store`, `paths.cache_dir/token_store/`), so
+the runs, ranks and jobs of a sweep tokenize once and map the same files. Only the training split is read here:
+calibration and evaluation documents never reach a training batch.
+
+A stage's windows are `seq_len` consecutive tokens of the store, window n at tokens [n * seq_len, (n + 1) * seq_len).
+Which windows a stage reads (`plan_reading`), so that a run's stages read distinct data when the store has room:
+
+- the first stage of a run (and so every single-stage run) reads from every window of the store;
+- a later stage reads from the windows that hold no token an earlier stage of the run reads (its samples
+  0 .. samples - 1, as the sampler below serves them), when those hold its samples at least once; otherwise from
+  every window of the store (its passes say so).
+
+So the first stage's windows do not depend on the stages after it (`stage=align` and the Stage 1 of
+`stage=align_distill` read the same windows and share the Stage 1 cache), and with room every window is read at most
+once by the run. Before any work the run states what it reads (`describe_reading`, `reading_line`): the store's
+distinct tokens, each stage's tokens, the windows it reads from and its passes over them, and the run's passes over
+the store; results.json keeps it under `data`.
 
 Batches are a pure function of (seed, global step, rank): step s on rank r reads the windows
 `(s * world + r) * batch_size ...` of a seeded sequence of shuffled epochs over the windows, and the sampler
@@ -13,24 +27,30 @@ The retrieval mix (`data.retrieval_mix` = f > 0, default 0: off) replaces the sa
 floor((g + 1) f) > floor(g f), exactly a fraction f of every run of samples (one in four of each batch of 4 at
 f = 0.25), by synthetic retrieval sequences of the same length (`tcal.data.needles`: key-value statements in text of
 the training split, then one asked back), sequence g drawn from the seed and g alone. They are ordinary samples to
-the stages: trained on and counted in `tokens_seen` like any window.
+the stages: trained on and counted in `tokens_seen` like any window. Their text and key words come from the whole
+training split when its documents are in memory (and the store holds exactly them), and from the store's first
+`data.retrieval_sample_tokens` tokens when the source is streamed, so memory does not grow with the corpus.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from tcal.data.documents import Document, token_stream
+from tcal.data.documents import Document
 from tcal.data.needles import RetrievalSequences, key_words
+from tcal.data.token_store import MemoryTokens, training_tokens
 from tcal.errors import ConfigError
 from tcal.settings import derived_seed
+from tcal.store.fingerprint import digest
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +62,31 @@ def pack(stream: torch.Tensor, seq_len: int, source: str = "training split") -> 
         raise ConfigError(f"the {source} has {stream.numel()} tokens, fewer than one sequence of "
                           f"stage.seq_len={seq_len}; expected more training text or a shorter stage.seq_len")
     return stream[: n * seq_len].view(n, seq_len)
+
+
+class Windows:
+    """Windows of `seq_len` tokens of a token source (`TokenStore` or `MemoryTokens`): window j is store window
+    `numbers[j]` (window j itself when `numbers` is None), each a [seq_len] LongTensor."""
+
+    def __init__(self, tokens, seq_len: int, numbers: np.ndarray | None = None, source: str = "training split"):
+        self.tokens, self.seq_len, self.numbers = tokens, int(seq_len), numbers
+        self.in_store = tokens.num_tokens // self.seq_len
+        if self.in_store < 1:
+            raise ConfigError(f"the {source} has {tokens.num_tokens} tokens, fewer than one sequence of "
+                              f"stage.seq_len={self.seq_len}; expected more training text or a shorter stage.seq_len")
+
+    def __len__(self) -> int:
+        return self.in_store if self.numbers is None else len(self.numbers)
+
+    def __getitem__(self, j) -> torch.Tensor:
+        n = int(j) if self.numbers is None else int(self.numbers[int(j)])
+        return self.tokens.tokens(n * self.seq_len, (n + 1) * self.seq_len)
+
+    @property
+    def key(self) -> str:
+        """Digest of these windows: the store's key, the length and the window numbers (what a cache keys them by)."""
+        numbers = "all" if self.numbers is None else np.asarray(self.numbers, dtype="<i8").tobytes()
+        return digest(self.tokens.key, self.seq_len, numbers)
 
 
 class EpochWindows(Dataset):
@@ -103,19 +148,23 @@ class StepSampler(Sampler):
 
 
 class PackedTextDataModule(L.LightningDataModule):
-    """Packed training windows of the training split for one stage; batches are [batch_size, seq_len] token ids."""
+    """Packed training windows of the training split for one stage; batches are [batch_size, seq_len] token ids.
+    `train`: the split's tokens (a `TokenStore` or `MemoryTokens`), or its documents (tokenized in memory);
+    `numbers`: the store windows this stage reads from (None: every one; `plan_reading`)."""
 
-    def __init__(self, train_docs: list[Document], tokenizer, seq_len: int, batch_size: int, total_steps: int,
-                 seed: int, cache_dir: Path | None = None, retrieval_mix: float = 0.0):
+    def __init__(self, train, tokenizer, seq_len: int, batch_size: int, total_steps: int, seed: int,
+                 cache_dir: Path | None = None, retrieval_mix: float = 0.0, numbers: np.ndarray | None = None,
+                 retrieval_sample_tokens: int | None = None):
         super().__init__()
         self.seq_len, self.batch_size, self.total_steps, self.seed = int(seq_len), int(batch_size), int(total_steps), seed
-        stream = token_stream(train_docs, tokenizer, cache_dir)
-        self.windows = pack(stream, self.seq_len)
+        tokens = memory_tokens(train, tokenizer, cache_dir) if isinstance(train, list) else train
+        self.windows = Windows(tokens, self.seq_len, numbers)
+        self.windows_key = self.windows.key
+        self.reading: StageReading | None = None  # set by the stage planner
         self.retrieval_mix = float(retrieval_mix)
         self.sequences = None
         if self.retrieval_mix > 0:
-            self.sequences = RetrievalSequences(stream, key_words("\n".join(d.text for d in train_docs)), tokenizer,
-                                                self.seq_len)
+            self.sequences = retrieval_sequences(tokens, tokenizer, self.seq_len, retrieval_sample_tokens)
         self.eval_loaders: Callable[[], list[DataLoader]] = lambda: []  # the eval sets, set by the stage runner
 
     def val_dataloader(self) -> list[DataLoader]:
@@ -136,3 +185,161 @@ class PackedTextDataModule(L.LightningDataModule):
         if self.sequences is None:
             return windows
         return MixedWindows(windows, self.sequences, self.retrieval_mix, self.seed)
+
+
+def memory_tokens(docs: list[Document], tokenizer, cache_dir: Path | None = None) -> MemoryTokens:
+    """In-memory documents tokenized as one stream (`token_stream`, cached on disk under `cache_dir`)."""
+    from tcal.data.documents import token_stream
+
+    return MemoryTokens(token_stream(docs, tokenizer, cache_dir), docs)
+
+
+def retrieval_sequences(tokens, tokenizer, seq_len: int, sample_tokens: int | None = None) -> RetrievalSequences:
+    """Retrieval sequences over the training split: its whole stream and the words of its documents when the tokens
+    are exactly in-memory documents; else the first `sample_tokens` tokens and the words they decode to."""
+    if tokens.documents is not None:
+        words = key_words("\n".join(d.text for d in tokens.documents))
+        return RetrievalSequences(tokens.tokens(0, tokens.num_tokens), words, tokenizer, seq_len)
+    if sample_tokens is None:
+        from tcal.settings import DataSettings
+
+        sample_tokens = DataSettings().retrieval_sample_tokens
+    sample = tokens.tokens(0, min(int(sample_tokens), tokens.num_tokens))
+    return RetrievalSequences(sample, key_words(tokenizer.decode(sample.tolist())), tokenizer, seq_len)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which windows each stage reads (module doc), and the statement of it
+
+
+@dataclass(frozen=True)
+class StageReading:
+    """What one stage reads: `samples` samples of `seq_len` tokens from `windows` windows of the store (`numbers`:
+    their window numbers; None: every window of the store), `region` `store` (every window) or `unread` (the
+    windows no earlier stage reads); `read`: which of its windows its samples read (indices into them; None: every
+    one)."""
+
+    kind: str
+    seq_len: int
+    samples: int
+    window_samples: int  # samples that are windows (the others: retrieval sequences)
+    numbers: np.ndarray | None
+    windows: int
+    region: str
+    read: np.ndarray | None
+
+    @property
+    def tokens(self) -> int:
+        return self.samples * self.seq_len
+
+    @property
+    def passes(self) -> float:
+        """Passes over the windows it reads from."""
+        return self.window_samples / self.windows
+
+    def read_starts(self) -> np.ndarray:
+        """[k] first token of each store window its samples read."""
+        numbers = np.arange(self.windows, dtype=np.int64) if self.numbers is None else self.numbers
+        chosen = numbers if self.read is None else numbers[self.read]
+        return np.asarray(chosen, dtype=np.int64) * self.seq_len
+
+
+def window_sample_indices(samples: int, fraction: float) -> np.ndarray:
+    """The sample indices g < samples that are windows (not retrieval sequences, `is_retrieval`)."""
+    g = np.arange(samples, dtype=np.int64)
+    if fraction <= 0:
+        return g
+    retrieval = np.floor((g + 1) * float(fraction)) > np.floor(g * float(fraction))
+    return g[~retrieval]
+
+
+def touched(reads: list[tuple[np.ndarray, int]], seq_len: int, count: int) -> np.ndarray:
+    """[count] bool: which store windows of `seq_len` hold a token of the read windows (`reads`: (first tokens,
+    length) of each earlier stage's read windows)."""
+    marks = np.zeros(count + 1, dtype=np.int64)
+    for starts, length in reads:
+        first = starts // seq_len
+        last = np.minimum((starts + length - 1) // seq_len, count - 1)
+        keep = first < count
+        np.add.at(marks, first[keep], 1)
+        np.add.at(marks, last[keep] + 1, -1)
+    return np.cumsum(marks[:count]) > 0
+
+
+def plan_reading(num_tokens: int, stages: list[tuple[str, int, int]], seed: int,
+                 fraction: float = 0.0) -> list[StageReading]:
+    """Each stage's reading (module doc) for `stages` [(kind, seq_len, samples)] over a store of `num_tokens`."""
+    readings: list[StageReading] = []
+    for kind, seq_len, samples in stages:
+        count = num_tokens // seq_len
+        g = window_sample_indices(samples, fraction)
+        numbers, region = None, "store"
+        if readings and count:
+            unread = np.flatnonzero(~touched([(r.read_starts(), r.seq_len) for r in readings], seq_len, count))
+            if len(unread) >= len(g):
+                numbers, region = unread, "unread"
+        windows = count if numbers is None else len(numbers)
+        read = None
+        if windows and (len(g) == 0 or g[-1] < windows):
+            read = EpochWindows(range(windows), seed).order(0).numpy()[g]
+        readings.append(StageReading(kind, seq_len, samples, len(g), numbers, windows, region, read))
+    return readings
+
+
+def distinct_tokens(readings: list[StageReading]) -> int:
+    """Tokens of the store that some stage's read windows hold (each counted once)."""
+    spans = [(r.read_starts(), r.seq_len) for r in readings]
+    if not spans:
+        return 0
+    starts = np.concatenate([s for s, _ in spans])
+    ends = np.concatenate([s + length for s, length in spans])
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], np.maximum.accumulate(ends[order])
+    gaps = np.maximum(starts[1:] - ends[:-1], 0)
+    return int(ends[-1] - starts[0] - gaps.sum()) if len(starts) else 0
+
+
+def stage_samples(settings) -> list[tuple[str, int, int]]:
+    """[(kind, seq_len, samples)] of the run's stages: each reads steps x batch_size x ranks samples."""
+    from tcal.runtime.distributed import world_size
+
+    world = world_size(settings.trainer)
+    return [(node.kind, node.seq_len, node.steps(world).total * node.batch_size * world)
+            for _, node in settings.stage.stages()]
+
+
+def planned_reading(settings, store_tokens: int | None = None) -> dict:
+    """The `data` record a run of `settings` would write, from its settings alone: over a store of `store_tokens`
+    (default `data.max_tokens`, what a source longer than the cap gives). For docs/scale.md and plans."""
+    store_tokens = int(store_tokens or settings.data.max_tokens)
+    readings = plan_reading(store_tokens, stage_samples(settings), int(settings.seed),
+                            float(settings.data.retrieval_mix))
+    return describe_reading(None, store_tokens, readings)
+
+
+def describe_reading(store_key: str | None, store_tokens: int, readings: list[StageReading]) -> dict:
+    """The run's `data` record: the store (its key; None for a plan), each stage's reading and the run's passes
+    over the store."""
+    total = sum(r.tokens for r in readings)
+    return {
+        "store": {"key": store_key, "tokens": store_tokens},
+        "stages": {r.kind: {"tokens": r.tokens, "seq_len": r.seq_len, "region": r.region,
+                            "region_tokens": r.windows * r.seq_len, "passes": round(r.passes, 4)} for r in readings},
+        "tokens": total, "distinct_tokens": distinct_tokens(readings),
+        "passes": round(total / store_tokens, 4),
+    }
+
+
+def reading_line(record: dict) -> str:
+    """The statement a run prints before work, from its `data` record."""
+    store = record["store"]["tokens"]
+    stages = "; ".join(
+        f"{kind} reads {s['tokens']:,} tokens from {s['region_tokens']:,} "
+        f"({'every window' if s['region'] == 'store' else 'windows no earlier stage reads'}): {s['passes']:.4g} passes"
+        for kind, s in record["stages"].items())
+    repeated = [kind for kind, s in record["stages"].items() if s["passes"] > 1]
+    verdict = (f"the budget exceeds the distinct tokens: {', '.join(repeated)} read windows more than once"
+               if repeated else "each window is read at most once")
+    return (f"data: the token store holds {store:,} distinct training tokens; {stages}; the run reads "
+            f"{record['tokens']:,} tokens ({record['distinct_tokens']:,} distinct), {record['passes']:.4g} passes over "
+            f"the store; {verdict}")
