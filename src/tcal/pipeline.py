@@ -34,7 +34,7 @@ from tcal.store.record import RESULTS, new_record, read_record, records_failure,
 from tcal.store.rerun import check_checkpoints, holds_folder
 from tcal.student.gdn import kernel_path
 from tcal.tracking import finish, log_figures, make_logger
-from tcal.training.run import plan_stages
+from tcal.training.run import data_record, plan_stages
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,8 @@ def run(settings: RunSettings, run_dir: str | Path, resume: bool = False, callba
         timings=timings)
     if selection.details:
         results["retention_details"] = selection.details
+    if plans:
+        results["data"] = data_record(plans)
     results_path = run_dir / RESULTS
     earlier = read_record(run_dir) if resume else None
 

@@ -191,6 +191,8 @@ FIELDS: dict[str, Field] = {
     "ruler": Field(RULER, None, "RULER: teacher / student -> length -> task -> exact match; n: length -> task -> "
                                 "examples; summary: role -> needle / other / all -> {mean, se, n}"),
     "student_path": Field(TEXT, None, "where the student was exported"),
+    "data": Field(OBJECT, None, "what the stages read of the token store: its distinct tokens, each stage's "
+                                "tokens, region and passes, the run's passes (tcal.training.data.describe_reading)"),
     NON_FINITE: Field(shape({"note": TEXT, "values": list_of(TEXT)}), None, "the values written as null"),
 }
 

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from tcal.data.documents import eval_sets, token_windows
+from tcal.data.token_store import training_tokens
 from tcal.evaluate.validation import eval_dataloaders
 from tcal.runtime.distributed import world_size
 from tcal.runtime.lightning_output import trainer_callbacks
@@ -35,7 +36,13 @@ from tcal.store.record import is_stage_record
 from tcal.store.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
 from tcal.tracking import drop_rows_after
-from tcal.training.data import PackedTextDataModule
+from tcal.training.data import (
+    PackedTextDataModule,
+    describe_reading,
+    plan_reading,
+    reading_line,
+    stage_samples,
+)
 from tcal.training.stages import STAGES
 
 log = logging.getLogger(__name__)
@@ -52,17 +59,47 @@ class StagePlan:
 
 
 def plan_stages(ctx) -> list[StagePlan]:
-    """Tokenized, packed training data and step counts for each stage; fails before conversion when the training
-    split is shorter than one sequence."""
+    """Tokenized, packed training data and step counts for each stage, and which windows each reads
+    (`tcal.training.data.plan_reading`), stated on one line before any work; fails before conversion when the
+    training split is shorter than one sequence."""
     settings, plans = ctx.settings, []
-    world = world_size(settings.trainer)
-    for prefix, node in settings.stage.stages():
+    world, data = world_size(settings.trainer), settings.data
+    stages = settings.stage.stages()
+    if not stages:
+        return plans
+    cached = all(node.cache_tokens for _, node in stages)
+    tokens = training_tokens(ctx.splits.train, ctx.tokenizer, ctx.cache_dir if cached else None, data)
+    readings = plan_reading(tokens.num_tokens, stage_samples(settings), int(settings.seed), float(data.retrieval_mix))
+    for (prefix, node), reading in zip(stages, readings):
         steps = node.steps(world)
-        data = PackedTextDataModule(ctx.splits.train, ctx.tokenizer, node.seq_len, node.batch_size, steps.total,
-                                    int(settings.seed), ctx.cache_dir if node.cache_tokens else None,
-                                    float(settings.data.retrieval_mix))
-        plans.append(StagePlan(node.kind, node, prefix, data, steps.total, steps.eval_every, steps.tokens_per_step))
+        module = PackedTextDataModule(tokens, ctx.tokenizer, node.seq_len, node.batch_size, steps.total,
+                                      int(settings.seed), retrieval_mix=float(data.retrieval_mix),
+                                      numbers=reading.numbers, retrieval_sample_tokens=data.retrieval_sample_tokens)
+        module.reading = reading
+        plans.append(StagePlan(node.kind, node, prefix, module, steps.total, steps.eval_every, steps.tokens_per_step))
+    if ctx.ranks.is_main:
+        state_reading(ctx.splits, reading_line(describe_reading(tokens.key, tokens.num_tokens, readings)))
     return plans
+
+
+_stated: tuple[object, str] | None = None  # (the splits, the line) stated last
+
+
+def state_reading(splits, line: str) -> None:
+    """Print the reading statement, once for a run: `tcal` plans its stages before any work and `api.distill` plans
+    them again with the same splits."""
+    global _stated
+    if _stated is None or _stated[0] is not splits or _stated[1] != line:
+        print(line, flush=True)
+        _stated = (splits, line)
+
+
+def data_record(plans: list[StagePlan]) -> dict | None:
+    """What the run's stages read (results.json `data`; `tcal.training.data.describe_reading`); None without stages."""
+    if not plans:
+        return None
+    tokens = plans[0].data.windows.tokens
+    return describe_reading(tokens.key, tokens.num_tokens, [plan.data.reading for plan in plans])
 
 
 def stage1_key(ctx, student, plan: StagePlan) -> str:
@@ -72,7 +109,7 @@ def stage1_key(ctx, student, plan: StagePlan) -> str:
     gdn_start = gdn_state(student).values()  # hashed tensor by tensor (fingerprint.digest streams tensors)
     alone = dataclasses.replace(ctx.settings, stage=plan.cfg)
     return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start,
-                  cache_settings("stage1", alone), plan.data.windows, world_size(ctx.settings.trainer))
+                  cache_settings("stage1", alone), plan.data.windows_key, world_size(ctx.settings.trainer))
 
 
 def gdn_state(student) -> dict:
