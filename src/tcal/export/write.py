@@ -43,28 +43,35 @@ def student_folder(source: Path) -> Path:
                         f"with student/)")
 
 
-def load_student(folder: Path):
-    """(student in float32 eval mode, tokenizer or None) from a folder tcal wrote."""
+def student_config(folder: Path):
+    """The student's `HybridConfig`, read without its weights (refusals come before any loading)."""
     import tcal.student.hybrid  # noqa: F401  (registers model_type tcal_hybrid)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig
 
     model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
     if model_type != "tcal_hybrid":
         raise ExportRefused(f"{folder}: model_type {model_type!r} is not a tcal student (expected 'tcal_hybrid')")
+    return AutoConfig.from_pretrained(folder)
+
+
+def load_student(folder: Path):
+    """(student in float32 eval mode, tokenizer or None) from a folder tcal wrote."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     student = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     has_tokenizer = (folder / "tokenizer_config.json").is_file()
     return student, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
 
 
-def check_format(student, fmt: str) -> None:
-    """Refuse, before any work, a format that cannot hold this student exactly."""
+def check_format(config, fmt: str) -> None:
+    """Refuse, before any work, a format that cannot hold the student of `config` exactly."""
     if fmt not in FORMATS:
         raise ExportRefused(f"--format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    family = student.config.teacher_config.model_type
+    family = config.teacher_config.model_type
     if fmt == "qwen3_5":
         from tcal.export.qwen3_5 import check_qwen3_student
 
-        check_qwen3_student(student.config)
+        check_qwen3_student(config)
     if fmt == "vllm" and family not in VLLM_FAMILIES:
         raise ExportRefused(f"--format vllm: the plugin serves {', '.join(VLLM_FAMILIES)} students; this one's "
                             f"teacher is {family!r}")
@@ -132,8 +139,8 @@ def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANC
     Returns the record written as DEST/EXPORT_RECORD."""
     folder = student_folder(Path(source))
     check_folder_target(dest)
+    check_format(student_config(folder), fmt)
     student, tokenizer = load_student(folder)
-    check_format(student, fmt)
     prompts = parity_prompts(tokenizer, student.config.vocab_size)
     record: dict = {"format": fmt, "source": str(folder.resolve()), "written_by": "tcal-export"}
 

@@ -1,0 +1,121 @@
+"""`tcal-export` without a serving engine: the exact Qwen3.5 map through stock transformers, the self-contained `hf`
+checkpoint, the `vllm` checkpoint's config, the parity record, an export that fails parity left unwritten, and
+the one-line refusals. Tiny random students (seconds); the engines themselves are in test_serve.py."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import pytest
+import torch
+from conftest import make_teacher
+
+from tcal.export.cli import main as export_main
+from tcal.export.parity import compare, parity_prompts
+from tcal.export.qwen3_5 import qwen3_5_model, torch_reference_kernels
+from tcal.export.refusal import ExportRefused, ParityFailed
+from tcal.export.write import EXPORT_RECORD, REMOTE_CODE, export
+from tcal.store.files import MANIFEST
+from tcal.student.convert import build_student
+from tcal.student.export import export_student
+
+# The student's GDN norm eps: Qwen3.5 has one eps for every norm (tcal.export.qwen3_5), equal here so the map is exact.
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def students(tmp_path_factory):
+    """{family: (student, its saved folder)} for a Qwen3 and a Llama student with layers 1 and 3 converted."""
+    out = {}
+    for family in ("qwen3", "llama"):
+        student = build_student(make_teacher(family, rms_norm_eps=EPS), [0, 2])
+        folder = export_student(student, None, tmp_path_factory.mktemp(family) / "student")
+        out[family] = (student, folder)
+    return out
+
+
+def test_qwen3_5_export_is_stock_transformers_within_tolerance(students, tmp_path):
+    student, folder = students["qwen3"]
+    record = export(folder, tmp_path / "q35", "qwen3_5")
+    config = json.loads((tmp_path / "q35" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert config["layer_types"] == ["full_attention", "linear_attention", "full_attention", "linear_attention"]
+    assert record["parity"]["passed"] and record["parity"]["max_abs_logit_diff"] <= 1e-4
+    assert record["parity"]["greedy_identical"] == record["parity"]["prompts"] == 3
+    assert record["rms_norm_eps"]["written"] == student.config.gdn_norm_eps
+    written = json.loads((tmp_path / "q35" / EXPORT_RECORD).read_text())
+    assert written == record
+    assert EXPORT_RECORD in json.loads((tmp_path / "q35" / MANIFEST).read_text())["files"]
+
+
+def test_wrong_norm_convention_fails_parity(students):
+    """The fault the bf16 rule is built to catch, here in float32: Qwen3.5's zero-centred norms written as w."""
+    student, _ = students["qwen3"]
+    broken = qwen3_5_model(student)
+    with torch.no_grad():
+        for name, parameter in broken.named_parameters():
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                parameter += 1.0
+    with torch_reference_kernels():
+        right = compare(student, qwen3_5_model(student), parity_prompts(None, 101))
+        wrong = compare(student, broken, parity_prompts(None, 101))
+    assert right.passed
+    assert not wrong.passed and wrong.max_abs_logit_diff > 1000 * right.max_abs_logit_diff
+
+
+def test_export_failing_parity_is_not_written(students, tmp_path):
+    _, folder = students["qwen3"]
+    with pytest.raises(ParityFailed, match="does not reproduce the student"):
+        export(folder, tmp_path / "q35", "qwen3_5", tolerance=0.0)  # float32 rounding alone exceeds 0
+    assert list(tmp_path.iterdir()) == []  # neither the export nor a temporary sibling
+
+
+def test_hf_export_loads_its_own_code(students, tmp_path):
+    student, folder = students["llama"]
+    record = export(folder, tmp_path / "hf", "hf", )
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_tcal_hybrid.TcalHybridForCausalLM"
+    assert config["model_type"] != student.config.model_type  # where tcal is installed, its class does not win
+    assert (tmp_path / "hf" / REMOTE_CODE.name).read_text() == REMOTE_CODE.read_text()
+    assert record["parity"]["passed"]
+
+
+def test_hf_modeling_code_imports_torch_and_transformers_only():
+    tree = ast.parse(REMOTE_CODE.read_text())
+    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert roots <= {"__future__", "math", "torch", "transformers"}, roots
+
+
+def test_vllm_export_names_the_plugin_and_says_the_engine_was_not_checked(students, tmp_path):
+    _, folder = students["llama"]
+    record = export(folder, tmp_path / "v", "vllm")
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["architectures"] == ["TcalHybridForCausalLM"]
+    assert record["parity"]["max_abs_logit_diff"] == 0.0  # the same weights, read back by the same code
+    assert record["engine_check"] == {"checked": False, "why": "no vLLM interpreter given (--serve-python)"}
+
+
+def test_run_folder_source_is_its_student(students, tmp_path):
+    _, folder = students["llama"]
+    run = folder.parent
+    record = export(run, tmp_path / "t", "tcal")
+    assert record["source"] == str(folder.resolve())
+
+
+def test_qwen3_5_refuses_a_llama_student_in_one_line(students, tmp_path, capsys):
+    _, folder = students["llama"]
+    with pytest.raises(ExportRefused) as refused:
+        export(folder, tmp_path / "q35", "qwen3_5")
+    assert "\n" not in str(refused.value) and "'llama'" in str(refused.value) and "QK-norm" in str(refused.value)
+    with pytest.raises(SystemExit) as exited:
+        export_main([str(folder), str(tmp_path / "q35"), "--format", "qwen3_5"])
+    assert exited.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (tmp_path / "q35").exists()
+
+
+def test_source_that_is_not_a_student_is_refused(tmp_path):
+    (tmp_path / "run").mkdir()
+    with pytest.raises(ExportRefused, match="no student there"):
+        export(tmp_path / "run", tmp_path / "out", "tcal")
