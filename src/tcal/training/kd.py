@@ -7,34 +7,79 @@ to a chunk's student logits has a closed form (softmax(student) - teacher probab
 each chunk's gradients with respect to the final hidden states and the head's weight are computed in the forward
 pass and the logits are dropped at once: no recomputation, and memory grows with `chunk_size`, not the batch.
 
-Precision: each chunk's logits come from the heads in their own dtype (bfloat16 heads stay bfloat16; no copy
-of a head is made) and only the chunk's logits are upcast, so the softmax, the KL and the logit gradients are
-float32. The head's gradient accumulates in the head's dtype (float32 for a float32 head).
+Precision. The head GEMMs (each chunk's student and teacher logits, the hidden-state gradient and the
+head-gradient GEMM) run in the compute dtype: under autocast (`bf16-mixed`) its dtype, else each head's own
+dtype. Only the chunk's logits are upcast, so the softmax, the KL and the logit gradients are float32. The head's
+gradient accumulates over the chunks in float32 whenever the head is float32 or autocast is on: on CUDA the
+head-gradient GEMM takes bfloat16 operands and adds into the float32 accumulator itself (`addmm` with
+`out_dtype`); on other devices (no such kernel) each chunk's [vocab, hidden] product comes out in the compute
+dtype and is added into the accumulator (`HEAD_GRAD_PATHS`; the path taken is logged once per device). A `-true`
+reduced-precision run (bfloat16 heads, no autocast) accumulates in the head's dtype, as it computes.
+
+Memory policy (per call, besides the caller's hidden states): the float32 head-gradient accumulator [vocab,
+hidden]; under autocast one compute-dtype copy of each head that is not already in that dtype (autocast itself
+would make one per matmul); a few [chunk, vocab] float32 tensors of one chunk; off CUDA, under autocast, one
+[vocab, hidden] compute-dtype product per chunk (freed before the next). A float32 run holds exactly what it held
+before this policy (no copies): its figures are bit-identical.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+HEAD_GRAD_PATHS = {
+    "same_dtype": "addmm_ in place in the accumulator's dtype (no autocast, or a head already in it)",
+    "out_dtype": "addmm of compute-dtype operands into the float32 accumulator (CUDA, out_dtype)",
+    "chunk_product": "a compute-dtype product per chunk added into the float32 accumulator (no out_dtype kernel)",
+}
+_logged_paths: set[tuple[str, str]] = set()
+
+
+def compute_dtype(device_type: str, own: torch.dtype) -> torch.dtype:
+    """The dtype a head GEMM runs in: autocast's on `device_type` when it is on, else the head's own `own`."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else own
+
+
+def head_grad_path(accumulator: torch.dtype, compute: torch.dtype, device_type: str) -> str:
+    """Which way the head-gradient GEMM accumulates (a key of `HEAD_GRAD_PATHS`)."""
+    if accumulator == compute:
+        return "same_dtype"
+    return "out_dtype" if device_type == "cuda" else "chunk_product"
 
 
 class _FusedHeadKL(torch.autograd.Function):
     """loss = mean KL(teacher || student) + ce_weight * mean CE over rows, for student logits = hidden @ weight.T.
 
-    Returns (loss, kl, ce); only `loss` carries a gradient."""
+    hidden, teacher_hidden: [N, D]; weight, teacher_weight: [V, D]; targets: [N] token ids; ce_rows: [N] float
+    (1 = the row's CE counts). Returns (loss, kl, ce); only `loss` carries a gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, targets, ce_rows, ce_weight, chunk_size):
+        device_type = hidden.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        dtype = compute_dtype(device_type, weight.dtype)
+        teacher_dtype = compute_dtype(device_type, teacher_weight.dtype)
+        w = weight if weight.dtype == dtype else weight.to(dtype)
+        tw = teacher_weight if teacher_weight.dtype == teacher_dtype else teacher_weight.to(teacher_dtype)
         count, ce_count = hidden.shape[0], max(float(ce_rows.sum()), 1.0)
         grad_hidden = torch.empty_like(hidden, dtype=torch.float32)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32 if weight.dtype == torch.float32 else weight.dtype)
+        accumulate = torch.float32 if weight.dtype == torch.float32 or autocast else weight.dtype
+        grad_weight = torch.zeros_like(weight, dtype=accumulate)
+        path = head_grad_path(accumulate, dtype, device_type)
+        if (device_type, path) not in _logged_paths:
+            _logged_paths.add((device_type, path))
+            log.info("fused KL on %s: head GEMMs in %s, head gradient: %s", device_type, dtype, HEAD_GRAD_PATHS[path])
         kl_sum = ce_sum = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, count, chunk_size):
             rows = slice(start, start + chunk_size)
-            h = hidden[rows].to(weight.dtype)
-            student_logp = F.log_softmax((h @ weight.T).float(), dim=-1)
-            teacher_logp = F.log_softmax((teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.T).float(),
-                                         dim=-1)
+            h = hidden[rows].to(dtype)
+            student_logp = F.log_softmax((h @ w.T).float(), dim=-1)
+            teacher_logp = F.log_softmax((teacher_hidden[rows].to(teacher_dtype) @ tw.T).float(), dim=-1)
             teacher_p = teacher_logp.exp()
             kl_sum = kl_sum + teacher_logp.sub_(student_logp).mul_(teacher_p).sum()  # in place: one chunk less
             del teacher_logp
@@ -48,10 +93,16 @@ class _FusedHeadKL(torch.autograd.Function):
             else:
                 grad_logits = student_p.sub_(teacher_p).div_(count)  # the same values, in place
             del teacher_p, student_p, student_logp
-            grad_logits = grad_logits.to(weight.dtype)
-            grad_hidden[rows] = grad_logits @ weight
-            grad_weight.addmm_(grad_logits.T, h)  # in place: no head-sized temporary per chunk
+            grad_logits = grad_logits.to(dtype)
+            grad_hidden[rows] = grad_logits @ w
+            if path == "same_dtype":
+                grad_weight.addmm_(grad_logits.T, h)  # in place: no head-sized temporary per chunk
+            elif path == "out_dtype":
+                torch.addmm(grad_weight, grad_logits.T, h, out_dtype=accumulate, out=grad_weight)
+            else:
+                grad_weight.add_(grad_logits.T @ h)
             del grad_logits
+        del w, tw
         ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype))
         kl, ce = kl_sum / count, ce_sum / ce_count
         loss = kl + ce_weight * ce  # a tensor of its own: kl and ce are returned without gradients

@@ -260,6 +260,45 @@ def unsharded_student(trainer, student, ctx, kind: str):
     return fresh
 
 
+def release_stage(trainer, module, data) -> None:
+    """Free what a finished stage holds for training, before the stage-end gather: AdamW's states, the student's
+    gradients (under FSDP both are shards), and every link that ties the stage's optimizer, LightningModule and
+    wrapped module to the Trainer, its strategy and the data module. Lightning links them both ways (the module and
+    the data module hold the Trainer; the Trainer's strategy holds the module, the wrapped module, the optimizers,
+    their Lightning wrappers and the schedulers, which hold the optimizers again): without this the optimizer and
+    module of a stage live in reference cycles until a full garbage collection, next to the following stage's.
+    With the links cut they are freed by reference counting as soon as the caller drops the module and the
+    Trainer (the Trainer's own internal cycles hold nothing of the stage). The student itself stays usable."""
+    strategy = trainer.strategy
+    for optimizer in strategy.optimizers:
+        optimizer.state.clear()
+    module.student.zero_grad(set_to_none=True)
+    strategy.optimizers = []
+    strategy.lr_scheduler_configs = []
+    strategy.model = None
+    strategy._lightning_module = None  # Lightning has no public way to disconnect a module from its strategy
+    module.trainer = None
+    data.trainer = None
+    trainer._data_connector._datahook_selector = None  # it holds the module and the data module
+    for callback in trainer.callbacks:  # Lightning gives every callback the module's `log` and `log_dict`
+        for name in ("log", "log_dict"):
+            if getattr(getattr(callback, name, None), "__self__", None) is module:
+                delattr(callback, name)
+    log.info("stage %s: optimizer state, gradients and the Trainer's links to the module released", module.kind)
+
+
+def collect_checkpoint_cycles(kind: str) -> None:
+    """After a sharded stage: free the garbage cycles that torch.distributed.checkpoint's state-dict walk leaves at
+    each save and each gather (`_iterate_valid_model_state`'s recursive closure refers to itself and keeps the set
+    of every module it visited: the stage's LightningModule and the sharded student with its shards). No reference
+    reaches them from here, so one garbage collection is the only way to free them before the next stage; a run
+    on one device or under DDP makes none and needs none (its stage objects go by reference counting)."""
+    import gc
+
+    found = gc.collect()
+    log.info("stage %s: the sharded stage's checkpoint-walk cycles collected (%d objects)", kind, found)
+
+
 def rebuilt_from(student, state: dict):
     """A plain `HybridForCausalLM` of `student`'s config holding the tensors of `state` (assigned, not copied) and
     `student`'s buffers (the RoPE frequencies are not in a state dict)."""
@@ -315,7 +354,6 @@ def train_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
         if module.last_eval_tokens != module.tokens_seen:
             trainer.validate(module, datamodule=plan.data, verbose=False)  # the last point, between two intervals
     seconds = time.perf_counter() - start
-    student.requires_grad_(False)
     record = {
         "kind": plan.kind, "settings": plain(plan.cfg), "steps": int(trainer.global_step),
         "tokens_seen": module.tokens_seen, "tokens_per_step": plan.tokens_per_step, "world_size": trainer.world_size,
@@ -323,13 +361,20 @@ def train_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
         "rank_weight_digests": module.rank_weight_digests, "curve": module.curve, "resumed": ckpt_path is not None,
         "cached": False,
     }
+    first, final = ({name: points[i]["ppl"] for name, points in module.curve.items() if points} for i in (0, -1))
+    summary = (f"stage {plan.kind}: {module.tokens_seen:,} tokens in {trainer.global_step} steps, {seconds:.0f} s "
+               f"in this process; loss {loss_text(module.loss_first)} -> {loss_text(module.loss_last)}; "
+               + ", ".join(f"ppl {n} {first[n]:.2f} -> {final[n]:.2f}" for n in final))
+    is_global_zero, sharded = trainer.is_global_zero, isinstance(trainer.strategy, ModelParallelStrategy)
+    release_stage(trainer, module, plan.data)
+    student.requires_grad_(False)
     student = unsharded_student(trainer, student, ctx, plan.kind)
+    del trainer, module
+    if sharded:
+        collect_checkpoint_cycles(plan.kind)
     if not record["rank_weight_digests"]:  # a sharded run: the digests of the gathered weights
         digests = ctx.ranks.merge({ctx.ranks.rank: weights_digest(student)[:15]})
         record["rank_weight_digests"] = [digests[rank] for rank in range(ctx.ranks.world_size)]
-    first, final = ({name: points[i]["ppl"] for name, points in module.curve.items() if points} for i in (0, -1))
-    if trainer.is_global_zero:
-        print(f"stage {plan.kind}: {module.tokens_seen:,} tokens in {trainer.global_step} steps, {seconds:.0f} s "
-              f"in this process; loss {loss_text(module.loss_first)} -> {loss_text(module.loss_last)}; "
-              + ", ".join(f"ppl {n} {first[n]:.2f} -> {final[n]:.2f}" for n in final), flush=True)
+    if is_global_zero:
+        print(summary, flush=True)
     return record, student

@@ -27,24 +27,47 @@ log = logging.getLogger(__name__)
 Curve = dict[str, list[dict]]  # eval set -> [{"tokens": int, "ppl": float}, ...]
 
 
-def shard_student(student, mesh) -> None:
+FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16}  # trainer.precision -> the dtype FSDP2 gathers parameters in
+
+
+def fsdp_policy(precision: str):
+    """FSDP2's mixed-precision policy for `trainer.precision`: under `bf16-mixed` parameters are gathered in
+    bfloat16 (half the all-gather bytes and half each gathered unit's memory; autocast would cast them to bfloat16
+    for every matmul anyway) and gradients are reduce-scattered in float32 (a sum over ranks in bfloat16 would
+    round each rank's contribution), landing in the float32 shards AdamW updates. Every other precision gets None:
+    parameters are gathered and gradients reduced in their own dtype, so a float32 run is what it was."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = FSDP_PARAM_DTYPES.get(str(precision))
+    if dtype is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard_student(student, mesh, precision: str = "32-true") -> None:
     """FSDP2 units over `mesh`: each GDN mixer, each decoder layer (holding the mixer's unit), then the student as
     the root (embeddings, final norm, head). A unit's weights are gathered only while it runs, so a rank holds one
-    layer's full weights at a time besides its shards. Parameters keep their dtype (under `-mixed` precisions the
-    float32 weights are gathered and Lightning's autocast computes in bfloat16, as on one device and under DDP);
-    buffers are never cast, so the RoPE frequencies stay float32.
+    layer's full weights at a time besides its shards. The shards stay in their dtype (float32 under `-mixed`
+    precisions, where AdamW updates them); under `bf16-mixed` they are gathered in bfloat16 and gradients reduced
+    in float32 (`fsdp_policy`), under autocast as on one device. FSDP then also casts each unit's floating-point
+    inputs to bfloat16, so the residual stream between layers is bfloat16 (on one device and under DDP it is
+    float32): the standard FSDP mixed precision. Buffers are never cast, so the RoPE frequencies stay float32.
 
     The root's lazy initialization runs here rather than at its first forward, because Stage 1 calls the GDN
     units directly (`student.gdn(i)`) and FSDP takes the first module to run as the root. Code that reaches the
     root's own weights without the root's forward (Stage 2 calls the decoder and uses the head's weight) gathers
     them first with `student.unshard()`; the backward's final callback reduces their gradients and reshards."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = fsdp_policy(precision)
+    log.info("FSDP2 units of the student: parameters gathered in %s, gradients reduced in %s (trainer.precision=%s)",
+             *((policy.param_dtype, policy.reduce_dtype) if policy else ("their own dtype",) * 2), precision)
+    options = {"mesh": mesh, "mp_policy": policy or MixedPrecisionPolicy()}
     for i in student.config.gdn_layers:
-        fully_shard(student.gdn(i), mesh=mesh)
+        fully_shard(student.gdn(i), **options)
     for layer in student.get_decoder().layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(student, mesh=mesh)
+        fully_shard(layer, **options)
+    fully_shard(student, **options)
     student._get_fsdp_state()._lazy_init()
 
 
@@ -93,15 +116,21 @@ class StageModule(PerplexityValidation):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if isinstance(self.trainer.strategy, ModelParallelStrategy) and not is_sharded(self.student):
-            shard_student(self.student, self.device_mesh["data_parallel"])
+            shard_student(self.student, self.device_mesh["data_parallel"], str(self.trainer.precision))
 
     def teardown(self, stage: str) -> None:
         self.set_checkpointing(False, False)
 
     def set_checkpointing(self, mixers: bool, layers: bool) -> None:
-        """Recompute in backward instead of storing: the GDN mixers only, or whole decoder layers."""
+        """Recompute in backward instead of storing: the GDN mixers only, or whole decoder layers. With both asked
+        for, the mixers' own checkpoints are off: a checkpointed layer already recomputes its mixer in backward,
+        and a mixer checkpoint inside it would run that mixer a third time (its forward, the layer's recompute,
+        then its own recompute), for no memory saved (the layer keeps only its input either way)."""
+        if mixers and layers:
+            log.info("stage %s: decoder layers checkpointed; the GDN mixers' own checkpoints are skipped inside them "
+                     "(each mixer runs forward twice per step, not three times)", self.kind)
         for i in self.student.config.gdn_layers:
-            self.student.gdn(i).checkpoint_training = mixers
+            self.student.gdn(i).checkpoint_training = mixers and not layers
         if layers:
             self.student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif self.student.is_gradient_checkpointing:
