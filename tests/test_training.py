@@ -399,6 +399,22 @@ def test_wandb_logger_offline_gets_the_curve(tmp_path, monkeypatch):
         assert key in history
     config = (offline / "files" / "config.yaml").read_text() if (offline / "files" / "config.yaml").exists() else ""
     assert "zero_gate" in config or b"zero_gate" in history
+    kept = json.loads((tmp_path / "run" / "results.json").read_text())["wandb"]
+    assert offline.name.endswith(kept["id"]) and kept["group"] == "zero_gate"  # grouped by the run's own init
+
+
+def test_a_resumed_wandb_run_logs_to_the_recorded_run_and_group(tmp_path, monkeypatch):
+    """The W&B run a record keeps is the one a resume logs to, in the recorded group, whatever init the resume
+    command's defaults name."""
+    from tcal.tracking import make_logger, wandb_identity
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    settings = compose("experiment=smoke", "init=naive", "logger=wandb")
+    first = wandb_identity(settings)
+    assert first["group"] == "naive" and wandb_identity(settings, {"wandb": first}) == first
+    logger = make_logger(settings, tmp_path, wandb_identity(settings, {"wandb": first}))
+    assert (logger._wandb_init["id"], logger._wandb_init["resume"], logger._wandb_init["group"]) == (
+        first["id"], "allow", "naive")
 
 
 @pytest.mark.parametrize("data", ["wikitext", "fineweb_edu"])

@@ -111,6 +111,20 @@ CASES = [
                         r"datasets cache"),
     (["paths.cache_dir={tmp}/short.txt"], r"paths.cache_dir='.*/short.txt' is a file; expected a folder"),
     (["paths.cache_dir={tmp}/short.txt/cache"], r"paths.cache_dir='.*/short.txt/cache' cannot be written"),
+    # found after minutes of work before: each is now one line before any
+    (["trainer.devices=-1"], r"trainer.devices=-1; expected a number of CPU processes >= 1 with "
+                             r"trainer.accelerator=cpu"),
+    (["trainer.devices=[0]"], r"trainer.devices=\[0\]; expected a number of CPU processes >= 1"),
+    (["teacher.seed=99999999999999999999999"], r"teacher.seed=99999999999999999999999; expected an integer in "
+                                               r"\[0, 2\*\*64\)"),
+    (["teacher.config.model_type=gpt2"], r"teacher.config.model_type='gpt2'; expected one of llama, qwen2, qwen3"),
+    (["teacher.tokenizer=null"], r"teacher.tokenizer=None; teacher 'tiny_llama' is random weights of "
+                                 r"teacher.config and names no tokenizer"),
+    (["eval.ruler=null"], r"eval.ruler=None; expected an option of eval/ruler: none, default"),
+    (["teacher.config.vocab_size=1000"], r"teacher.config.vocab_size: the teacher's embedding has 1000 rows, fewer "
+                                         r"than its tokenizer's 49152 ids"),
+    (["stage=distill", "stage.max_tokens=9223372036854775807"], r"stage.max_tokens=9223372036854775807: "
+                                                                r"[\d,]+ samples .* expected at most 2\*\*30 samples"),
 ]
 
 
@@ -235,6 +249,9 @@ def test_overrides_that_compose_pass():
     (["stage=distill", "stage.lr_mixr=0.1"], "stage.lr_mixr=0.1: Key 'lr_mixr' not in 'DistillSettings' (did you "
                                              "mean stage.lr_mixer?)"),
     (["+stage.lr_mixr=0.1", "stage=distill"], "stage.lr_mixr=0.1: no such setting (did you mean stage.lr_mixer?)"),
+    (["seed=${nope}"], "seed: Interpolation key 'nope' not found; expected an interpolation that resolves"),
+    pytest.param(["trainer=gpu"], "trainer.accelerator='gpu' (strategy 'auto') needs a GPU, but no GPU is visible "
+                                  "here", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ])
 def test_entry_prints_one_line_and_exits_2(args, message, tmp_path):
     done = tcal(tmp_path, *args)

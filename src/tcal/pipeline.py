@@ -33,7 +33,7 @@ from tcal.store.fingerprint import weights_digest
 from tcal.store.record import RESULTS, new_record, read_record, records_failure, write_record
 from tcal.store.rerun import check_checkpoints, holds_folder
 from tcal.student.gdn import kernel_path
-from tcal.tracking import finish, log_figures, make_logger
+from tcal.tracking import finish, log_figures, make_logger, wandb_identity
 from tcal.training.run import data_record, plan_stages
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def run(settings: RunSettings, run_dir: str | Path, resume: bool = False, callba
     teacher = api.Teacher(ctx.teacher, ctx.tokenizer, settings.teacher)
     with timed(timings, "retention"):
         selection = api.select_layers(teacher, ctx.splits, settings.retention, settings.init, settings.calibration,
-                                      settings.seed, ctx.cache_dir, ctx.ranks)
+                                      settings.seed, ctx.cache_dir, ctx.ranks, settings.data, settings.trainer)
     with timed(timings, "convert"):
         student = api.build_student(ctx.teacher, selection.keep_layers, settings.init.gqa_expansion, settings.seed)
         student.to(ctx.device)
@@ -104,6 +104,8 @@ def run(settings: RunSettings, run_dir: str | Path, resume: bool = False, callba
         results["data"] = data_record(plans)
     results_path = run_dir / RESULTS
     earlier = read_record(run_dir) if resume else None
+    if settings.logger.name == "wandb":
+        results["wandb"] = wandb_identity(settings, earlier)
 
     def save_results() -> None:
         if writer:
@@ -114,12 +116,13 @@ def run(settings: RunSettings, run_dir: str | Path, resume: bool = False, callba
 
     with timed(timings, "init"):
         results["calibration"] = api.initialize(student, teacher, ctx.splits, settings.init, settings.calibration,
-                                                settings.seed, ctx.cache_dir, ctx.ranks)
+                                                settings.seed, ctx.cache_dir, ctx.ranks, settings.data,
+                                                settings.trainer)
     results["init_weights_digest"] = weights_digest(student)
     results["status"] = "initialized"
     save_results()
 
-    logger = make_logger(settings, run_dir)
+    logger = make_logger(settings, run_dir, results.get("wandb"))
     tokens_seen = 0
     if plans:
         def on_curve(kind: str, curve: dict) -> None:

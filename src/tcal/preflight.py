@@ -63,6 +63,9 @@ def check_trainer(trainer) -> None:
                           f"32-true")
 
 
+MAX_STAGE_SAMPLES = 2**30
+
+
 def check_budgets(settings: RunSettings) -> None:
     """Each stage's budget holds at least one optimizer step of all the run's ranks."""
     from tcal.runtime.distributed import world_size
@@ -73,6 +76,11 @@ def check_budgets(settings: RunSettings) -> None:
         if steps.total < 1:
             raise ConfigError(f"{key}.max_tokens={stage.max_tokens} is less than one step of {steps.tokens_per_step} "
                               f"tokens ({key}.batch_size x {key}.seq_len x {ranks} devices)")
+        samples = steps.total * stage.batch_size * ranks
+        if samples > MAX_STAGE_SAMPLES:
+            raise ConfigError(f"{key}.max_tokens={stage.max_tokens}: {samples:,} samples of {key}.seq_len="
+                              f"{stage.seq_len}; expected at most 2**30 samples a stage (the stage's reading is "
+                              f"planned before work, an index a sample; 2**30 x 4,096 tokens is 4.4T tokens)")
 
 
 def check_cache_folder(cache_dir: str) -> None:
@@ -113,13 +121,14 @@ def check_teacher(teacher) -> None:
 
 
 def check_family(teacher) -> None:
-    """`teacher.architecture` names a family this project converts."""
-    if teacher.architecture is not None:
-        from tcal.teachers import ADAPTERS
+    """`teacher.architecture` and `teacher.config` name a family this project converts (a teacher of `path` says
+    its family when its config.json is read, before any work: `check_loaded`)."""
+    from tcal.teachers import ADAPTERS
 
-        model_type = teacher.architecture.get("model_type")
-        if model_type not in ADAPTERS:
-            raise ConfigError(f"teacher.architecture.model_type={model_type!r}; expected one of "
+    for key in ("architecture", "config"):
+        node = getattr(teacher, key)
+        if node is not None and node.get("model_type") not in ADAPTERS:
+            raise ConfigError(f"teacher.{key}.model_type={node.get('model_type')!r}; expected one of "
                               f"{', '.join(sorted(ADAPTERS))}")
 
 
@@ -200,9 +209,20 @@ def check_loaded(ctx) -> None:
     """What needs the loaded teacher and documents (`ctx`: a `RunContext`); still before anything is written."""
     config = ctx.teacher.config
     check_teacher_shape(ctx.settings, config.num_hidden_layers, getattr(config, "max_position_embeddings", None))
+    check_vocabulary(ctx)
     check_split_tokens(ctx)
     check_ruler_room(ctx)
     check_recall_room(ctx)
+
+
+def check_vocabulary(ctx) -> None:
+    """Every id the tokenizer makes has a row in the teacher's embedding (a config teacher whose `vocab_size` is
+    below its tokenizer's would index past it in the first forward)."""
+    rows, ids = ctx.teacher.get_input_embeddings().num_embeddings, len(ctx.tokenizer)
+    if ids > rows:
+        key = "teacher.config.vocab_size" if ctx.settings.teacher.config else "teacher.path"
+        raise ConfigError(f"{key}: the teacher's embedding has {rows} rows, fewer than its tokenizer's {ids} ids; "
+                          f"expected a vocabulary of at least {ids} (or the teacher's own tokenizer)")
 
 
 def check_recall_room(ctx) -> None:

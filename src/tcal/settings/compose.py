@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from tcal.errors import ConfigError
 from tcal.settings.data import DataSettings, HubDataSettings
@@ -241,7 +242,7 @@ def check_true_or_false(cfg, overrides: list[str]) -> None:
         override = parse(arg)
         if override.is_delete() or override.is_sweep_override():
             continue
-        value = OmegaConf.select(cfg, override.key_or_group, default=None)
+        value = OmegaConf.select(cfg, override.key_or_group, default=None, throw_on_resolution_failure=False)
         if isinstance(value, bool) and not isinstance(override.value(), bool):
             raise ConfigError(f"{arg}; expected true or false")
 
@@ -311,7 +312,12 @@ def run_settings(cfg) -> RunSettings:
     declared = {}
     if OmegaConf.is_config(cfg):
         declared = {group: OmegaConf.get_type(cfg[group]) for group in GROUPS if group in cfg}
-        tree = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        try:
+            tree = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        except InterpolationResolutionError as err:
+            first = str(err).strip().splitlines()[0]
+            raise ConfigError(f"{err.full_key}: {first}; expected an interpolation that resolves (a key of the config "
+                              f"such as ${{init.name}}, or ${{oc.env:NAME,default}})") from None
     else:
         tree = dict(cfg)
     tree.pop("hydra", None)

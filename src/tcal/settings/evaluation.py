@@ -14,6 +14,7 @@ from tcal.settings.fields import (
     Key,
     SettingError,
     Settings,
+    bad,
     declared,
     is_int,
     one_of,
@@ -126,6 +127,10 @@ class EvalSettings(Settings):
         positive_int("num_windows", self.num_windows)
         positive_int("batch_size", self.batch_size)
         window_length("seq_len", self.seq_len)
+        for name, options in (("harness", HARNESS_OPTIONS), ("ruler", RULER_OPTIONS)):
+            if not isinstance(getattr(self, name), tuple(options.values())):
+                raise bad(name, getattr(self, name), f"an option of eval/{name}: {', '.join(options)} "
+                                                     f"(eval/{name}=none turns it off)")
         starts = self.position_buckets
         if starts is not None:
             ok = (starts and starts[0] == 0 and all(is_int(s) for s in starts)

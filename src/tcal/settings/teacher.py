@@ -15,6 +15,7 @@ from tcal.settings.fields import (
     bad,
     declared,
     one_of,
+    seed_value,
     setting,
 )
 
@@ -66,6 +67,11 @@ class TeacherSettings(Settings):
                                " (a local model folder or hub id), ", Key("gguf_file"), ", ", Key("config"))
         if self.config is not None and not isinstance(self.config, dict):
             raise bad("config", self.config, "the keys of a config.json")
+        seed_value("seed", self.seed)
+        if self.config is not None and not self.path and not self.gguf_file and self.tokenizer is None:
+            raise SettingError(Key("tokenizer"), f"=None; teacher {self.name!r} is random weights of ", Key("config"),
+                               " and names no tokenizer; expected ", Key("tokenizer"), " (a folder, hub id or packaged "
+                               "GGUF: see conf/teacher/tiny_llama.yaml) or ", Key("path"))
         if self.architecture is not None:
             if not isinstance(self.architecture, dict):
                 raise bad("architecture", self.architecture, "the keys of the teacher's config.json")

@@ -49,6 +49,9 @@ class TrainerSettings(Settings):
             raise SettingError(Key("strategy"), f"={self.strategy!r}: DeepSpeed is not supported (its resume and "
                                f"export were never tested; docs/scale.md); expected trainer=fsdp for sharded training")
         check_devices(self.devices)
+        if self.accelerator == "cpu" and not (is_int(self.devices) and self.devices >= 1):
+            raise bad("devices", self.devices, "a number of CPU processes >= 1 with trainer.accelerator=cpu (a list "
+                                               "of device ids, -1 and auto name GPUs)")
         positive_int("num_nodes", self.num_nodes)
         if self.accelerator == "cpu" and str(self.precision) in ("16-mixed", "16"):
             raise SettingError(Key("precision"), f"={self.precision!r} is not supported on the CPU; expected "

@@ -193,6 +193,8 @@ FIELDS: dict[str, Field] = {
     "student_path": Field(TEXT, None, "where the student was exported"),
     "data": Field(OBJECT, None, "what the stages read of the token store: its distinct tokens, each stage's "
                                 "tokens, region and passes, the run's passes (tcal.training.data.describe_reading)"),
+    "wandb": Field(shape({"id": TEXT, "project": nullable(TEXT), "group": nullable(TEXT)}), None,
+                   "the W&B run a `logger=wandb` run logs to (a resume continues it)"),
     NON_FINITE: Field(shape({"note": TEXT, "values": list_of(TEXT)}), None, "the values written as null"),
 }
 
