@@ -18,7 +18,15 @@ from tcal.data import token_store
 from tcal.data.documents import Document, StreamedDocuments, load_splits, token_stream, tokenize_documents
 from tcal.errors import DataError
 from tcal.teachers.load import load_tokenizer
-from tcal.training.data import EpochWindows, distinct_tokens, plan_reading, window_sample_indices
+from tcal.training.data import (
+    EpochWindows,
+    PackedTextDataModule,
+    Windows,
+    distinct_tokens,
+    pack,
+    plan_reading,
+    window_sample_indices,
+)
 
 WORDS = ("river stone light ember quiet harbor meadow signal copper lantern orchard thunder velvet marble "
          "falcon winter garden silver canyon whisper").split()
@@ -166,12 +174,38 @@ def test_two_preparations_at_once_build_one_store(tokenizer, data, tmp_path, mon
     assert torch.equal(stores[0].tokens(0, stores[0].num_tokens), stores[1].tokens(0, stores[1].num_tokens))
 
 
-def test_shakespeare_store_is_its_token_stream(tokenizer, tmp_path):
+def test_shakespeare_store_is_its_token_stream_and_keeps_its_windows(tokenizer, tmp_path):
     data = compose().data
     splits = load_splits(data)
     store = token_store.open_store(splits.train, tokenizer, tmp_path, data)
+    stream = token_stream(splits.train, tokenizer)
     assert store.documents == splits.train  # the retrieval mix keeps reading the whole split's words
-    assert torch.equal(store.tokens(0, store.num_tokens), token_stream(splits.train, tokenizer))
+    assert torch.equal(store.tokens(0, store.num_tokens), stream)
+    windows, packed = Windows(store, 512), pack(stream, 512)
+    assert len(windows) == len(packed) and all(torch.equal(windows[i], packed[i]) for i in (0, 7, len(packed) - 1))
+
+
+def test_a_local_parquet_copy_is_read_offline(corpus, tokenizer, whole, tmp_path):
+    """The same rows as parquet shards (a folder matched by a pattern) give the same training tokens."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()]
+    for part in range(2):
+        half = rows[part * len(rows) // 2:(part + 1) * len(rows) // 2]
+        pq.write_table(pa.Table.from_pylist(half), tmp_path / f"train-{part:05d}.parquet")
+    data = compose(*local_data(corpus), "data.dataset=parquet",
+                   f"data.data_files={{train:'{tmp_path}/train-*.parquet'}}").data
+    store = token_store.open_store(load_splits(data).train, tokenizer, tmp_path / "cache", data)
+    assert store.key != whole.key  # another source, another store
+    assert torch.equal(store.tokens(0, store.num_tokens), whole.tokens(0, whole.num_tokens))
+
+
+def test_a_streamed_retrieval_mix_reads_a_bounded_sample(tokenizer, whole):
+    module = PackedTextDataModule(whole, tokenizer, 192, 4, 6, 0, retrieval_mix=0.25, retrieval_sample_tokens=20_000)
+    assert module.sequences.stream.numel() == 20_000
+    assert set(module.sequences.words) <= set(WORDS)  # key words of the sample's text
+    assert module.dataset()[3].shape == (192,)  # sample 3 of a quarter mix is a retrieval sequence
 
 
 def test_a_streamed_source_needs_the_store(tokenizer, data):
