@@ -16,7 +16,8 @@ hashing it, against its bfloat16 weight bytes; `host_memory_replaced`: the same 
 model against a measured forward and backward of a 4-layer slice at Qwen2.5-1.5B's width, per checkpointing setting,
 in float32 and under bf16 autocast), and, only when named, `longctx` (the naive uniform students at `--ratios`
 against the teacher at `--contexts` tokens: prefill, decode per token at `--batches`, cache bytes and peak RSS;
-minutes to hours on a CPU).
+minutes to hours on a CPU), and `serve` (only when named: vLLM prefill and decode tokens/s of the SmolLM2 student
+against its teacher on CPU, benchmarks/serve.py; needs `make serve-check`'s .venv-serve).
 Ratios, not timed tests. Peak RSS is per process: run `stage2` and `stage2_plain` each in its own
 invocation (`longctx` starts a process per model and context itself).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from functools import partial
 
 import torch
@@ -86,7 +88,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = ["gdn", "kl_memory", "host_memory", "host_memory_replaced", "student", "stats", "phase2", "init",
               "stage1", "stage2", "stage2_plain", "plan", "plan_activations"]
-    parser.add_argument("groups", nargs="*", default=groups, choices=[*groups, "longctx"])
+    parser.add_argument("groups", nargs="*", default=groups, choices=[*groups, "longctx", "serve"])
     parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
 
     def numbers(kind):
@@ -127,7 +129,11 @@ def main(argv=None) -> None:
             return settings_for("calibration.cache=false", *extra, *run_overrides)
 
         cfg = compose_cfg()
-        teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
+        teacher, tokenizer = load_teacher(cfg.teacher, cfg.paths.cache_dir)
+        if "serve" in args.groups:
+            from serve import bench_serve
+
+            bench_serve(teacher, tokenizer, Path(cfg.paths.cache_dir) / "bench_serve")
         if "student" in args.groups:
             bench_student(teacher, uniform_layers(teacher.config.num_hidden_layers, 0.5))
         if "longctx" in args.groups:

@@ -23,16 +23,16 @@ ENGINE_ENVIRONMENT = {
 }
 
 
-def engine(model: str, dtype: str = "bfloat16", max_model_len: int | None = None):
+def engine(model: str, dtype: str = "bfloat16", max_model_len: int | None = None, **options):
     """An in-process vLLM engine for `model` (the environment above, set where the caller left it unset);
-    `max_model_len` None: the model's own context."""
+    `max_model_len` None: the model's own context; `options` go to `vllm.LLM`."""
     for key, value in ENGINE_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     from vllm import LLM
 
     has_tokenizer = (Path(model) / "tokenizer_config.json").is_file()  # prompts are token ids: none is needed
     return LLM(model=model, dtype=dtype, enforce_eager=True, distributed_executor_backend="uni",
-               max_model_len=max_model_len, seed=0, skip_tokenizer_init=not has_tokenizer)
+               max_model_len=max_model_len, seed=0, skip_tokenizer_init=not has_tokenizer, **options)
 
 
 def generate(llm, prompts: list[list[int]], tokens: int, top_k: int) -> tuple[list[list[int]], list]:
