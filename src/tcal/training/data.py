@@ -45,22 +45,27 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from tcal.data.documents import Document
+from tcal.data.documents import Document, token_stream
 from tcal.data.needles import RetrievalSequences, key_words
-from tcal.data.token_store import MemoryTokens, training_tokens
+from tcal.data.token_store import MemoryTokens
 from tcal.errors import ConfigError
-from tcal.settings import derived_seed
+from tcal.settings import DataSettings, derived_seed
 from tcal.store.fingerprint import digest
 
 log = logging.getLogger(__name__)
 
 
+def check_one_window(num_tokens: int, seq_len: int, source: str = "training split") -> int:
+    """How many whole windows of `seq_len` the tokens hold; a ConfigError when not one."""
+    if num_tokens // seq_len < 1:
+        raise ConfigError(f"the {source} has {num_tokens} tokens, fewer than one sequence of "
+                          f"stage.seq_len={seq_len}; expected more training text or a shorter stage.seq_len")
+    return num_tokens // seq_len
+
+
 def pack(stream: torch.Tensor, seq_len: int, source: str = "training split") -> torch.Tensor:
     """[N, seq_len] consecutive non-overlapping windows of the stream (the tail shorter than a window is dropped)."""
-    n = stream.numel() // seq_len
-    if n < 1:
-        raise ConfigError(f"the {source} has {stream.numel()} tokens, fewer than one sequence of "
-                          f"stage.seq_len={seq_len}; expected more training text or a shorter stage.seq_len")
+    n = check_one_window(stream.numel(), seq_len, source)
     return stream[: n * seq_len].view(n, seq_len)
 
 
@@ -68,12 +73,9 @@ class Windows:
     """Windows of `seq_len` tokens of a token source (`TokenStore` or `MemoryTokens`): window j is store window
     `numbers[j]` (window j itself when `numbers` is None), each a [seq_len] LongTensor."""
 
-    def __init__(self, tokens, seq_len: int, numbers: np.ndarray | None = None, source: str = "training split"):
+    def __init__(self, tokens, seq_len: int, numbers: np.ndarray | None = None):
         self.tokens, self.seq_len, self.numbers = tokens, int(seq_len), numbers
-        self.in_store = tokens.num_tokens // self.seq_len
-        if self.in_store < 1:
-            raise ConfigError(f"the {source} has {tokens.num_tokens} tokens, fewer than one sequence of "
-                              f"stage.seq_len={self.seq_len}; expected more training text or a shorter stage.seq_len")
+        self.in_store = check_one_window(tokens.num_tokens, self.seq_len)
 
     def __len__(self) -> int:
         return self.in_store if self.numbers is None else len(self.numbers)
@@ -90,9 +92,10 @@ class Windows:
 
 
 class EpochWindows(Dataset):
-    """Window number i of an endless sequence of epochs, each a seeded permutation of the packed windows."""
+    """Window number i of an endless sequence of epochs, each a seeded permutation of the packed windows
+    (`windows`: `Windows`, a [N, seq_len] tensor, or anything with a length whose items are windows)."""
 
-    def __init__(self, windows: torch.Tensor, seed: int):
+    def __init__(self, windows, seed: int):
         self.windows, self.seed = windows, int(seed)
         self._orders: dict[int, torch.Tensor] = {}
 
@@ -189,8 +192,6 @@ class PackedTextDataModule(L.LightningDataModule):
 
 def memory_tokens(docs: list[Document], tokenizer, cache_dir: Path | None = None) -> MemoryTokens:
     """In-memory documents tokenized as one stream (`token_stream`, cached on disk under `cache_dir`)."""
-    from tcal.data.documents import token_stream
-
     return MemoryTokens(token_stream(docs, tokenizer, cache_dir), docs)
 
 
@@ -201,8 +202,6 @@ def retrieval_sequences(tokens, tokenizer, seq_len: int, sample_tokens: int | No
         words = key_words("\n".join(d.text for d in tokens.documents))
         return RetrievalSequences(tokens.tokens(0, tokens.num_tokens), words, tokenizer, seq_len)
     if sample_tokens is None:
-        from tcal.settings import DataSettings
-
         sample_tokens = DataSettings().retrieval_sample_tokens
     sample = tokens.tokens(0, min(int(sample_tokens), tokens.num_tokens))
     return RetrievalSequences(sample, key_words(tokenizer.decode(sample.tolist())), tokenizer, seq_len)
