@@ -141,6 +141,17 @@ def test_a_killed_preparation_continues_where_it_stopped(tokenizer, data, whole,
     assert shard_bytes(continued.folder) == shard_bytes(whole.folder)
 
 
+def test_a_damaged_shard_is_prepared_again(tokenizer, data, whole, tmp_path):
+    import shutil
+
+    folder = tmp_path / "token_store" / whole.key
+    shutil.copytree(whole.folder, folder)
+    damaged = folder / whole.shards[1].file
+    damaged.write_bytes(damaged.read_bytes()[:-4])  # one token short: a torn copy
+    store = token_store.open_store(load_splits(data).train, tokenizer, tmp_path, data)
+    assert shard_bytes(store.folder) == shard_bytes(whole.folder)
+
+
 def test_shard_size_and_workers_change_the_files_not_the_tokens(corpus, tokenizer, whole, tmp_path):
     """`data.shard_tokens` and `data.workers` are declared as changing nothing: the tokens are the same."""
     pooled = compose(*local_data(corpus, "data.workers=2", "data.shard_tokens=1000000000")).data
