@@ -107,12 +107,13 @@ def isolated_cache_dir(folder: Path) -> str:
     from tcal.teachers.load import load_tokenizer
 
     shared = Path(repo_cache_dir())
-    load_tokenizer(compose("teacher=tiny_llama").teacher, shared)  # converts the packaged GGUF once
+    load_tokenizer(compose("teacher=tiny_llama").teacher, shared)  # converts the packaged GGUF's tokenizer once
     folder = Path(folder)
-    (folder / "teachers").mkdir(parents=True, exist_ok=True)
-    for teacher in (shared / "teachers").iterdir():
-        if not teacher.name.endswith(".tmp"):
-            (folder / "teachers" / teacher.name).symlink_to(teacher.resolve(), target_is_directory=True)
+    for kind in ("teachers", "tokenizers"):
+        (folder / kind).mkdir(parents=True, exist_ok=True)
+        for converted in (shared / kind).iterdir() if (shared / kind).is_dir() else ():
+            if not converted.name.endswith(".tmp"):
+                (folder / kind / converted.name).symlink_to(converted.resolve(), target_is_directory=True)
     return str(folder)
 
 

@@ -63,3 +63,19 @@ def test_other_lock_failures_are_not_taken_for_a_filesystem_without_locks(tmp_pa
         with locked(tmp_path / ".lock"):
             pass
     assert not isinstance(caught.value, LocksUnsupported)
+
+
+def test_a_teacher_that_borrows_a_packaged_tokenizer_writes_no_teacher_weights(tmp_path):
+    """The tiny teachers take SmolLM2's tokenizer from its GGUF: only the tokenizer is converted into the cache (a
+    few MB), never the 517 MB of dequantized weights, and it is the tokenizer the converted teacher holds."""
+    from conftest import repo_cache_dir
+
+    from tcal.store.fingerprint import tokenizer_digest
+    from tcal.teachers.load import load_tokenizer
+
+    tokenizer = load_tokenizer(compose("teacher=tiny_llama").teacher, tmp_path)
+    assert not (tmp_path / "teachers").exists()
+    written = sum(p.stat().st_size for p in (tmp_path / "tokenizers").rglob("*") if p.is_file())
+    assert 0 < written < 20 * 2**20
+    shared = load_tokenizer(compose("teacher=tiny_llama").teacher, repo_cache_dir())
+    assert tokenizer_digest(tokenizer) == tokenizer_digest(shared)

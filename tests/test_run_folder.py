@@ -146,3 +146,33 @@ def test_the_same_command_twice_refuses_the_second_while_the_first_trains(tmp_pa
     assert first.returncode == 0, first_out[-2000:]
     rows = (tmp_path / "run" / "logs" / "metrics.csv").read_text().splitlines()
     assert len(rows) > 1 and len(rows) == len(set(rows))  # no row twice
+
+
+def test_a_refused_second_run_announces_nothing_about_the_folder(tmp_path, capsys):
+    """The second `tcal` into a live run's unfinished folder is refused before it says "continuing it"."""
+    from tcal.cli.app import run_in
+    from tcal.store.locks import locked
+    from tcal.store.record import example_record
+
+    settings = compose("experiment=smoke", "init=naive")
+    (tmp_path / "results.json").write_text(json.dumps(example_record("initialized", config=settings.tree())))
+    with locked(tmp_path / RUN_LOCK):
+        with pytest.raises(FolderInUse, match=rf"^{tmp_path} is in use by a live run: pid {os.getpid()}"):
+            run_in(settings, tmp_path)
+    assert "continuing" not in capsys.readouterr().out
+
+
+def test_save_student_on_a_complete_run_without_its_student_is_one_line(tmp_path, capsys):
+    """A complete zero-shot run kept no weights: asking it again with save_student=true cannot export anything and
+    says so; the same run asked without the export has nothing to do."""
+    from tcal.cli.app import run_in
+    from tcal.errors import ConfigError
+    from tcal.store.record import example_record
+
+    recorded = compose("experiment=smoke", "init=naive", "save_student=false")
+    (tmp_path / "results.json").write_text(json.dumps(example_record("complete", config=recorded.tree())))
+    with pytest.raises(ConfigError, match=rf"^{tmp_path} holds this run, complete, without its student .*"
+                                          r"save_student=true has nothing to export there"):
+        run_in(compose("experiment=smoke", "init=naive", "save_student=true"), tmp_path)
+    run_in(recorded, tmp_path)
+    assert "already holds this run, complete; nothing to do" in capsys.readouterr().out

@@ -24,8 +24,9 @@ CASES = [
     # retention
     (["retention.ratio=1.5"], r"retention.ratio=1.5 must lie in \(0, 1\]"),
     (["retention.ratio=0"], r"retention.ratio=0.0 must lie in \(0, 1\]"),
-    (["retention=explicit", "retention.keep=[0,4]"], r"keep_layers \[4\] out of range for a teacher with 4 layers"),
-    (["retention=explicit", "retention.keep=[1,1,3]"], r"keep_layers repeats \[1\]"),
+    (["retention=explicit", "retention.keep=[0,4]"], r"retention.keep=\[0, 4\]: \[4\] out of range for a teacher "
+                                                      r"with 4 layers"),
+    (["retention=explicit", "retention.keep=[1,1,3]"], r"retention.keep=\[1, 1, 3\]: repeats \[1\]"),
     (["retention=explicit"], r"retention.keep=None; expected a list of layer indices"),
     (["retention=ar", "retention.num_windows=0"], r"retention.num_windows=0; expected a positive integer"),
     (["retention=uniform", "retention.name=best"], r"retention.name='best'; expected one of ar, explicit, ga_s2"),

@@ -188,8 +188,8 @@ def check_keep_list(settings: RunSettings, num_layers: int) -> None:
 
         try:
             validate_keep_layers(list(retention.keep), num_layers)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        except ValueError as err:  # the student's words (`keep_layers`) told as the key the user wrote
+            raise ConfigError(f"retention.keep={list(retention.keep)}: {str(err).replace('keep_layers ', '')}") from None
     kept = kept_layers(retention, num_layers)
     if isinstance(retention, RecallRetentionSettings) and retention.scored is not None and retention.scored > kept:
         raise ConfigError(f"retention.scored={retention.scored} is more than the {kept} layers "

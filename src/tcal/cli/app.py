@@ -94,16 +94,19 @@ def run_in(settings: RunSettings, run_dir: Path, ranks=None) -> None:
     rank 0 for all when the ranks were started from outside (SLURM)."""
     from tcal.preflight import check_trainer
     from tcal.runtime.distributed import launch, starts_ranks
+    from tcal.store.rerun import check_not_held, check_student_saved
     check_trainer(settings.trainer)  # before any rank starts: `trainer=gpu` on a machine without CUDA is one line
     starts = ranks is None and starts_ranks(settings.trainer)
     if not starts:
         ranks = ranks or launch(settings.trainer)
     earlier = earlier_run(settings, run_dir) if starts else ranks.decide(lambda: earlier_run(settings, run_dir))
     if earlier == "complete":
+        check_student_saved(run_dir, read_record(run_dir), settings)
         print(f"tcal: {run_dir} already holds this run, complete; nothing to do "
               f"(results: {Path(run_dir) / 'results.json'})", flush=True)
         return
     if earlier == "unfinished":
+        check_not_held(run_dir)
         print(f"tcal: {run_dir} holds this run, unfinished; continuing it", flush=True)
     if starts:
         from tcal.cli.rank import run_ranks

@@ -147,6 +147,28 @@ def holding_folder(run_dir: Path):
             _held.discard(key)
 
 
+def check_not_held(run_dir: Path) -> None:
+    """FolderInUse naming the holder when a live run holds `run_dir` now: said before this command announces
+    anything about the folder (the run itself takes the hold, `holding_folder`)."""
+    lock = Path(run_dir) / RUN_LOCK
+    if str(Path(run_dir).resolve()) in _held or not lock.exists():
+        return
+    with locked(lock, wait=False, remove=True) as held:
+        if not held:
+            raise FolderInUse(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one "
+                              f"run per folder: wait for it to end or stop it, or pass another hydra.run.dir / "
+                              f"hydra.sweep.dir")
+
+
+def check_student_saved(run_dir: Path, record: dict | None, settings: RunSettings) -> None:
+    """A complete run asked again with `save_student=true` whose student was never saved: nothing can export it
+    (a zero-shot run keeps no weights), so it is one line rather than a silent "nothing to do"."""
+    if settings.save_student and record is not None and not record.get("student_path"):
+        raise ConfigError(f"{run_dir} holds this run, complete, without its student (it ran with save_student=false): "
+                          f"save_student=true has nothing to export there; expected another hydra.run.dir to run it "
+                          f"again with its student saved")
+
+
 def holds_folder(run):
     """Decorate `run(settings, run_dir, ..., ranks=None)`: rank 0 holds `run_dir` while the run works."""
     @functools.wraps(run)

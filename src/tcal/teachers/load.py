@@ -102,6 +102,25 @@ def _convert_gguf(cfg, folder: Path, dtype: torch.dtype) -> Path:
     return write_folder_atomic(folder, write, replace=False)
 
 
+def _gguf_tokenizer(source, cache_dir: Path) -> Path:
+    """The folder of a packaged GGUF's tokenizer: the converted teacher's when it is there, else the tokenizer alone,
+    converted once under `tokenizers/<name>` (a few MB), so a teacher that only borrows the tokenizer (the tiny test
+    teachers) never writes the dequantized weights. Both are the GGUF's tokenizer saved the same way."""
+    teacher = _gguf_folder(source, cache_dir)
+    if _converted(teacher):
+        return teacher
+    folder = Path(cache_dir) / "tokenizers" / source.name
+    if (folder / "tokenizer_config.json").is_file():
+        return folder
+    with key_lock(folder):
+        if (folder / "tokenizer_config.json").is_file():
+            return folder
+        gguf = package_file(source.package, source.gguf_file)
+        log.info("converting the tokenizer of %s in %s (once)", gguf.name, folder)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return write_folder_atomic(folder, tokenizer.save_pretrained, replace=False)
+
+
 def trust_remote_code(cfg) -> bool:
     """Code shipped with a checkpoint runs only when the teacher config says `trust_remote_code: true`."""
     return bool(cfg.trust_remote_code)
@@ -113,7 +132,7 @@ def load_tokenizer(cfg, cache_dir: str | Path):
     if getattr(source, "path", None):
         return _from_pretrained(AutoTokenizer, resolve_pretrained(source.path), trust_remote_code(cfg))
     if getattr(source, "gguf_file", None):
-        return AutoTokenizer.from_pretrained(_gguf_cached(source, Path(cache_dir), torch.float32))
+        return AutoTokenizer.from_pretrained(_gguf_tokenizer(source, Path(cache_dir)))
     raise ValueError(f"teacher {cfg.name!r} names no tokenizer: set teacher.path or teacher.tokenizer")
 
 

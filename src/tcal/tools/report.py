@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tcal.store.files import write_text_atomic
+from tcal.store.files import in_the_way, write_text_atomic
 from tcal.tools.dashboard import publish, wandb_target
 from tcal.tools.figures import (
     ablation_table,
@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder")
     out = args.out or args.folder / "report"
+    blocker = in_the_way(out)
+    if blocker is not None:
+        parser.error(f"--out {out}: {blocker} is a file; expected a folder for the report (or a path where one can "
+                     f"be made)")
     logger = None
     if args.wandb_project:
         logger = wandb_logger(args.wandb_project, out, f"report-{args.folder.name}", "report",
