@@ -16,6 +16,16 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+REPO = Path(__file__).resolve().parents[1]
+# The suite reads and writes nothing of the user's, whatever their environment: not the cache $TCAL_CACHE_DIR names
+# (the tests' shared cache is the repo's own .cache/tcal), not a W&B account, not the folder pytest was started from
+# (relative paths resolve in the repo, as under `make test`).
+for _name in ("TCAL_CACHE_DIR", "WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_DIR", "WANDB_RUN_ID",
+              "WANDB_RESUME", "WANDB_RUN_GROUP"):
+    os.environ.pop(_name, None)
+os.environ["WANDB_MODE"] = "offline"
+os.chdir(REPO)
+
 # Every model in the tests is tiny: with 2 OpenMP threads on a busy 2-core machine each small matmul waits
 # on thread sync (about 15 ms for a 64x64 linear, against 6 us on one thread). One thread is faster here.
 torch.set_num_threads(int(os.environ.get("TCAL_TEST_THREADS", "1")))
@@ -95,10 +105,8 @@ def compose_config(*overrides: str, return_hydra_config: bool = False):
 
 
 def repo_cache_dir() -> str:
-    """The repo's cache (`.cache/tcal`, or $TCAL_CACHE_DIR), where the SmolLM2 tokenizer is converted once."""
-    from tcal.cli.app import CONF_DIR
-
-    return os.environ.get("TCAL_CACHE_DIR") or str(Path(CONF_DIR).parent / ".cache" / "tcal")
+    """The repo's cache (`.cache/tcal`), where the SmolLM2 teacher and tokenizer are converted once."""
+    return str(REPO / ".cache" / "tcal")
 
 
 def isolated_cache_dir(folder: Path) -> str:
