@@ -104,7 +104,8 @@ def test_paper_experiment_fits_under_fsdp(teacher, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"], {k: s["peak_gb"] for k, s in plan["stages"].items()}
     assert {plan["stages"][k]["strategy"] for k in ("align", "distill")} == {"fsdp"}
-    assert plan["stages"]["distill"]["gathered_gb"] > 0 and plan["stages"]["distill"]["autocast_gb"] > 0
+    # bf16-mixed FSDP gathers bfloat16 parameters: autocast has nothing to copy
+    assert plan["stages"]["distill"]["gathered_gb"] > 0 and plan["stages"]["distill"]["autocast_gb"] == 0
 
 
 def expand_sweeps(overrides: list[str]) -> list[list[str]]:
@@ -163,14 +164,18 @@ def test_strategies_shard_what_they_say():
     assert (ddp.weights, ddp.gradients, ddp.optimizer, ddp.buffers) == (4 * params, 4 * trainable, 8 * trainable,
                                                                         4 * trainable)
     assert ddp.autocast["none"] > 0 and ddp.gathered == 0
-    # FSDP2: the DDP run's float32 state in eight shards, plus the gathered root and two layer units
+    # FSDP2: the DDP run's float32 state in eight shards, plus the gathered root and two layer units; under
+    # bf16-mixed (trainer=fsdp's) they are gathered in bfloat16 with bfloat16 unsharded gradients, one unit's
+    # gradients reduce-scattered from a float32 copy, and autocast copies nothing
     assert (fsdp.weights, fsdp.gradients, fsdp.optimizer) == (ddp.weights // 8, ddp.gradients // 8,
                                                               ddp.optimizer // 8)
-    assert fsdp.buffers == 0 and fsdp.autocast == ddp.autocast
+    assert fsdp.buffers == 0 and set(fsdp.autocast) == set(ddp.autocast) and not any(fsdp.autocast.values())
     student = build_model(compose(*TINY_DISTILL), [0, 2]).student
     root = sum(p.numel() for n, p in student.named_parameters() if not n.startswith("model.layers."))
     layer = max(sum(p.numel() for p in l.parameters()) for l in student.get_decoder().layers)
-    assert fsdp.gathered == 4 * root + 2 * 8 * layer
+    assert fsdp.gathered == 2 * root + 2 * 4 * layer + 4 * layer
+    full = distill_memory("trainer=fsdp", "trainer.devices=8", "trainer.precision=32-true")
+    assert full.gathered == 4 * root + 2 * 8 * layer and not any(full.autocast.values())  # no policy in float32
     assert ddp.teacher == fsdp.teacher  # the frozen teacher is whole on every device
 
 
@@ -212,13 +217,14 @@ def test_checkpointing_lowers_the_activations_and_the_configured_one_counts():
 
 def test_fits_keeps_the_headroom_free():
     plan = make_plan(compose(*TINY_DISTILL), 80.0, 0.0)
-    peak = max(stage["peak_gb"] for stage in plan["stages"].values())
+    peak = max(part["peak_gb"] for part in [*plan["stages"].values(), *plan["moments"].values()])
     device = round(peak + 0.5, 2)
     assert make_plan(compose(*TINY_DISTILL), device, 0.4)["fits"]
     tight = make_plan(compose(*TINY_DISTILL), device, 0.6)
     assert not tight["fits"] and tight["headroom_gb"] == 0.6
-    assert [k for k, s in tight["stages"].items() if not s["fits"]] == [k for k, s in tight["stages"].items()
-                                                                        if s["peak_gb"] + 0.6 > device]
+    for parts in (tight["stages"], tight["moments"]):
+        assert [k for k, s in parts.items() if not s["fits"]] == [k for k, s in parts.items()
+                                                                  if s["peak_gb"] + 0.6 > device]
     with pytest.raises(ConfigError, match="--headroom-gb 90: expected 0 <= headroom < the device's 80 GB"):
         make_plan(compose(*TINY_DISTILL), 80.0, 90.0)
 
@@ -282,3 +288,117 @@ def test_bad_override_is_one_line_and_exit_code_2(args, message, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2
     assert len(err) == 1 and err[0].startswith("tcal: configuration error: ") and message in err[0], err
+
+
+MOMENTS = {"step", "stage_end_gather", "final_evaluation"}
+
+
+@pytest.fixture(scope="module")
+def paper_plans() -> dict:
+    """The plan of each paper experiment as shipped (8 x 80 GB, the default headroom), computed once."""
+    return {teacher: json.loads(json.dumps(make_plan(compose(f"experiment={run}"))))
+            for teacher, run in PAPER_EXPERIMENTS.items()}
+
+
+@pytest.mark.parametrize("teacher", PUBLISHED)
+def test_paper_experiment_fits_at_each_of_the_three_moments(teacher, paper_plans):
+    """The training step, the stage-end gather of the full student and the final evaluation are each planned, and
+    each fits 80 GB with the default headroom."""
+    plan = paper_plans[teacher]
+    moments = plan["moments"]
+    assert set(moments) == MOMENTS
+    for name, moment in moments.items():
+        assert moment["fits"] and moment["peak_gb"] + plan["headroom_gb"] <= plan["device_gb"] == 80, name
+        assert moment["peak_gb"] == pytest.approx(sum(moment["parts_gb"].values()), abs=0.02)
+    assert moments["step"]["peak_gb"] == max(v for v in plan["per_device_gb"].values() if v is not None)
+    assert plan["fits"] == all(part["fits"] for part in [*plan["stages"].values(), *moments.values()])
+
+
+@pytest.mark.parametrize("teacher", PUBLISHED)
+def test_the_stage_end_gather_holds_the_full_float32_student_and_the_shards_only(teacher, paper_plans):
+    """FSDP over 8 ranks, bf16-mixed: the full float32 student on every rank, its float32 shards (which the gather
+    reads) and the teacher; no optimizer state, gradient, gathered unit or activation (all freed before it)."""
+    plan = paper_plans[teacher]
+    gather = plan["moments"]["stage_end_gather"]
+    full = round(plan["student_params"] * 4 / 2**30, 2)
+    assert set(gather["parts_gb"]) == {"teacher", "weight_shards", "gathered_student"}
+    assert gather["parts_gb"]["gathered_student"] == full
+    assert gather["parts_gb"]["weight_shards"] == pytest.approx(full / 8, abs=0.01)
+    assert gather["parts_gb"]["teacher"] == plan["stages"]["calibration"]["teacher_gb"]
+
+
+@pytest.mark.parametrize("teacher", PUBLISHED)
+def test_the_final_evaluation_s_logits_are_bounded_by_a_chunk(teacher, paper_plans):
+    """The paper's harness (batch 8 x 2048) and RULER are planned with the largest working set counted; the harness's
+    whole working set is below one [batch, length, vocab] float32 tensor, two of which lm-eval's own scoring makes
+    (the logits and their log-softmax)."""
+    plan = paper_plans[teacher]
+    final = plan["moments"]["final_evaluation"]
+    assert set(final["work_gb"]) == {"perplexity", "harness", "ruler"}
+    assert final["parts_gb"][f"{final['largest']}_work"] == max(final["work_gb"].values())
+    assert final["parts_gb"]["student"] == round(plan["student_params"] * 4 / 2**30, 2)  # float32 after training
+    batch_logits = 8 * 2048 * architecture(f"teacher={teacher}").vocab_size * 4 / 2**30
+    assert final["work_gb"]["harness"] < batch_logits
+
+
+def test_a_moment_that_does_not_fit_makes_the_plan_not_fit():
+    cfg = compose(*TINY_DISTILL)
+    plan = make_plan(cfg, 80.0, 0.0)
+    final = plan["moments"]["final_evaluation"]["peak_gb"]
+    stages = max(stage["peak_gb"] for stage in plan["stages"].values())
+    if final > stages:  # a device between the two: every stage fits, the final evaluation does not
+        tight = make_plan(cfg, round((final + stages) / 2, 4), 0.0)
+        assert all(s["fits"] for s in tight["stages"].values()) and not tight["moments"]["final_evaluation"]["fits"]
+        assert not tight["fits"]
+    assert not make_plan(cfg, round(final - 0.001, 4) if final > 0.001 else final / 2, 0.0)["fits"]
+
+
+def test_the_gather_moment_follows_the_strategy():
+    ddp = make_plan(compose(*TINY_DISTILL, "trainer=ddp", "trainer.devices=4", "trainer.accelerator=cpu"))
+    fsdp = make_plan(compose(*TINY_DISTILL, "trainer=fsdp", "trainer.devices=4"))
+    student = round(ddp["student_params"] * 4 / 2**30, 2)
+    assert set(ddp["moments"]["stage_end_gather"]["parts_gb"]) == {"teacher", "student"}  # nothing gathered
+    assert ddp["moments"]["stage_end_gather"]["parts_gb"]["student"] == student
+    assert fsdp["moments"]["stage_end_gather"]["parts_gb"]["gathered_student"] == student
+    assert set(make_plan(compose("teacher=tiny_llama", "stage=none"))["moments"]) == {"step", "final_evaluation"}
+
+
+def hours_of(*overrides) -> dict:
+    return make_plan(compose(*TINY_DISTILL, *overrides))["hours"]
+
+
+def test_hours_are_positive_linear_in_tokens_and_shorter_on_h100():
+    one = hours_of("stage.max_tokens=4096")
+    two = hours_of("stage.max_tokens=8192")
+    assert two["stages"]["distill"]["tokens"] == 2 * one["stages"]["distill"]["tokens"]
+    assert two["total_flops"] == 2 * one["total_flops"]
+    for gpus in ("8 x H100", "8 x A100"):
+        assert one["gpus"][gpus]["hours"] >= 0 and one["total_flops"] > 0
+    rates = one["gpus"]
+    seconds = {g: one["total_flops"] / (8 * r["peak_bf16_tflops"] * 1e12 * r["mfu"]) for g, r in rates.items()}
+    assert seconds["8 x H100"] < seconds["8 x A100"]
+    assert all(0 < r["mfu"] < 1 and r["peak_bf16_tflops"] > 0 for r in rates.values())
+
+
+@pytest.mark.parametrize("teacher", PUBLISHED)
+def test_paper_experiment_hours_on_h100_and_a100(teacher, paper_plans):
+    """Each experiment's predicted hours: positive, fewer on 8 x H100 than on 8 x A100, from both stages' tokens
+    (Stage 1's 100M and Stage 2's 600M budgets, whole steps) and per-token FLOPs at least 6 x the trained and 2 x
+    the teacher's parameters."""
+    plan = paper_plans[teacher]
+    hours = plan["hours"]
+    assert 0 < hours["gpus"]["8 x H100"]["hours"] < hours["gpus"]["8 x A100"]["hours"]
+    assert set(hours["stages"]) == {"align", "distill"}
+    assert 0.99e8 < hours["stages"]["align"]["tokens"] <= 1e8 and 5.99e8 < hours["stages"]["distill"]["tokens"] <= 6e8
+    distill = hours["stages"]["distill"]
+    assert distill["flops_per_token"] > 6 * 0.9 * plan["student_params"] + 2 * 0.9 * plan["teacher_params"]
+    assert hours["total_flops"] == sum(stage["flops"] for stage in hours["stages"].values())
+    assert "MFU" in hours["formula"] and "6 N_trained" in hours["formula"]
+
+
+def test_plan_text_prints_the_moments_and_the_hours(capsys):
+    main(TINY_DISTILL)
+    out = capsys.readouterr().out
+    assert "moments  training step (distill)" in out and "stage-end gather" in out and "final evaluation" in out
+    assert "8 x H100 (989 TFLOPs bf16 peak, MFU 0.35)" in out and "8 x A100 (312 TFLOPs bf16 peak, MFU 0.45)" in out
+    assert "note (hours): per training token: 6 N_trained" in out

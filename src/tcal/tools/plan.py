@@ -24,12 +24,24 @@ For calibration, Stage 1 (align) and Stage 2 (distill) the plan adds up, per dev
 - kl: the fused KL of Stage 2 (`training/kd.py`) at its peak.
 
 Strategies (`trainer.strategy`, the same for both stages): one device and `ddp` replicate everything; `fsdp` shards
-the weights, gradients and optimizer states over the ranks. The peak is the sum of all of them, at the start of a
-backward (the previous step's gradients counted too: Lightning zeroes them between the forward and the backward). A
-stage fits when its peak plus `--headroom-gb` is at most `--device-gb`. It counts allocated tensors: not CUDA's
-context, nor free memory an allocator keeps (glibc's heap on the CPU, PyTorch's cache on CUDA); the headroom is for
-those. The host section is what a node's ranks hold in host memory (`host_plan`) and what a SLURM job asks for it;
-`--slurm-env` prints it as the variables conf/hydra/launcher/slurm_gpu.yaml reads.
+the weights, gradients and optimizer states over the ranks, and under `bf16-mixed` gathers parameters in bfloat16
+(no autocast copies then) and reduce-scatters gradients from float32 (`tcal.training.stages.fsdp_policy`). The
+peak is the sum of all of them, at the start of a backward (the previous step's gradients counted too: Lightning
+zeroes them between the forward and the backward). A stage fits when its peak plus `--headroom-gb` is at most
+`--device-gb`. It counts allocated tensors: not CUDA's context, nor free memory an allocator keeps (glibc's heap on
+the CPU, PyTorch's cache on CUDA); the headroom is for those. The host section is what a node's ranks hold in host
+memory (`host_plan`) and what a SLURM job asks for it; `--slurm-env` prints it as the variables
+conf/hydra/launcher/slurm_gpu.yaml reads.
+
+Three moments are planned (`moments`), each fitting by the same rule: the training step (the largest stage peak
+above), the stage-end gather (`gather_moment`: under FSDP the full student gathered on every rank next to its
+shards and the teacher, once `tcal.training.run.release_stage` has freed optimizer states and gradients) and the
+final evaluation (`final_eval_moment`: teacher, trained student and the largest working set of perplexity, the
+harness and RULER, whose logits are bounded by a chunk of positions). `fits` holds when every stage and every
+moment fits. `hours` predicts the training stages' hours on 8 x H100 and 8 x A100 from a FLOPs model
+(`FLOPS_FORMULA`, with the peak bf16 throughput and the utilisation `GPU_RATES` assume: H100 989 TFLOPs at MFU 0.35,
+A100 312 TFLOPs at MFU 0.45; planning constants, not measurements). `--moments-markdown` prints one row per plan
+of the three moments and the hours.
 `make bench ARGS=plan` checks the plan against a measured Stage 2, `make bench ARGS=plan_activations` its activation
 model at a paper width. A configuration error prints one line and exits with code 2, as `tcal` does.
 """
@@ -319,6 +331,7 @@ class Model:
     student_params: int
     keep_layers: list[int]
     gdn_params: int  # all GDN mixers together
+    teacher: torch.nn.Module | None = None  # on the meta device
 
     @property
     def hidden_size(self) -> int:
@@ -337,7 +350,7 @@ def build_model(settings, keep_layers: list[int]) -> Model:
     teacher = meta_model(config)
     student = meta_student(config, keep_layers)
     gdn = sum(p.numel() for i in student.config.gdn_layers for p in student.gdn(i).parameters())
-    return Model(config, parameter_count(teacher), student, parameter_count(student), keep_layers, gdn)
+    return Model(config, parameter_count(teacher), student, parameter_count(student), keep_layers, gdn, teacher)
 
 
 def retention_plan(settings, num_layers: int) -> dict:
@@ -421,13 +434,22 @@ def decoder_activations(trace: LayerTrace, n_kept: int, n_gdn: int) -> dict[str,
     return {"none": none, "checkpoint_mixers": mixers, "activation_checkpointing": layers}
 
 
-def kl_bytes(tokens: int, hidden: int, vocab: int, chunk: int, student_dtype, teacher_dtype) -> int:
-    """The fused KL's peak (`training/kd.py`): the gradient of the student head [V, D] (float32 at most; the heads
-    themselves are used in their own dtype, never copied), both models' final hidden states with their row copies
-    and the float32 gradient of the student's, and KL_CHUNK_TENSORS [chunk, V] float32 tensors of one chunk."""
+def kl_bytes(tokens: int, hidden: int, vocab: int, chunk: int, student_dtype, teacher_dtype,
+             compute_dtype=None, device_type: str = "cuda") -> int:
+    """The fused KL's peak (`training/kd.py`): the float32 gradient accumulator of the student head [V, D], both
+    models' final hidden states with their row copies and the float32 gradient of the student's, and
+    KL_CHUNK_TENSORS [chunk, V] float32 tensors of one chunk. Under autocast (`compute_dtype`) a head not already
+    in the compute dtype is copied once for the call: the student head's copy is counted with the autocast copies
+    (`autocast_copies`), the teacher head's here; off CUDA each chunk's head-gradient product is a [V, D] tensor in
+    the compute dtype besides the accumulator (CUDA's addmm adds into it in float32 directly)."""
     s, t = dtype_bytes(student_dtype), dtype_bytes(teacher_dtype)
     hidden_states = tokens * hidden * (2 * s + 2 * t + 4)
-    return vocab * hidden * 4 + hidden_states + KL_CHUNK_TENSORS * min(chunk, tokens) * vocab * 4
+    copies = 0
+    if compute_dtype is not None and compute_dtype != teacher_dtype:
+        copies += vocab * hidden * dtype_bytes(compute_dtype)
+    if compute_dtype is not None and device_type != "cuda":
+        copies += vocab * hidden * dtype_bytes(compute_dtype)
+    return vocab * hidden * 4 + hidden_states + KL_CHUNK_TENSORS * min(chunk, tokens) * vocab * 4 + copies
 
 
 def linear_params(modules) -> int:
@@ -451,19 +473,32 @@ def autocast_copies(student, kind: str) -> dict[str, int]:
             "activation_checkpointing": max(layers) + linear_params([student.lm_head])}
 
 
-def fsdp_gathered(student, kind: str, state: StateBytes) -> int:
+def fsdp_gathered(student, kind: str, state: StateBytes, gathered_bytes: int | None = None) -> int:
     """What FSDP2 holds unsharded besides the shards at the end of a forward and the backward's first units: in
     Stage 2 the root's parameters (everything outside the decoder layers: embeddings, final norm, head; the root is
     not resharded after its forward; the head's gradient is the fused KL's, counted there) and two decoder layers
     (the running unit and the prefetched one) with their unsharded gradients; in Stage 1 (the GDN mixers run on
-    their own) two mixers with their gradients."""
-    unit_bytes = state.weight + state.gradient
+    their own) two mixers with their gradients. `gathered_bytes`: the bytes of a gathered parameter and of its
+    unsharded gradient under a mixed-precision policy (`tcal.training.stages.fsdp_policy`: bfloat16), whose
+    gradients are then reduce-scattered from a float32 copy of one unit; None: parameters in their own dtype."""
+    if gathered_bytes is None:
+        weight, unit_bytes, reduce = state.weight, state.weight + state.gradient, 0
+    else:
+        weight, unit_bytes, reduce = gathered_bytes, 2 * gathered_bytes, 4
     if kind == "distill":
         root = sum(p.numel() for name, p in student.named_parameters() if not name.startswith("model.layers."))
         units = [sum(p.numel() for p in layer.parameters()) for layer in student.get_decoder().layers]
-        return root * state.weight + 2 * max(units) * unit_bytes
+        return root * weight + 2 * max(units) * unit_bytes + max(units) * reduce
     units = [sum(p.numel() for p in student.gdn(i).parameters()) for i in student.config.gdn_layers] or [0]
-    return 2 * max(units) * unit_bytes
+    return 2 * max(units) * unit_bytes + max(units) * reduce
+
+
+def fsdp_param_dtype(strategy: Strategy, precision: Precision) -> torch.dtype | None:
+    """The dtype FSDP2 gathers parameters in (`tcal.training.stages.fsdp_policy`): bfloat16 under bf16-mixed, None
+    (their own dtype) otherwise and under every other strategy."""
+    if strategy.per_layer_units and precision.mixed and precision.compute == torch.bfloat16:
+        return torch.bfloat16
+    return None
 
 
 def stage_memory(kind: str, node, settings, model: Model, world: int, device_type: str) -> StageMemory:
@@ -488,7 +523,7 @@ def stage_memory(kind: str, node, settings, model: Model, world: int, device_typ
         trace = trace_decoder(student, batch, seq_len, device_type)
         activations = decoder_activations(trace, len(student.config.keep_layers), n_gdn)
         kl = kl_bytes(batch * seq_len, model.hidden_size, model.vocab_size, int(node.kl_chunk_size),
-                      trace_dtype, teacher_dtype)
+                      trace_dtype, teacher_dtype, precision.compute if precision.mixed else None, device_type)
     else:
         mixer, loss = trace_alignment(student.gdn(student.config.gdn_layers[0]), batch, seq_len, trace_dtype,
                                       device_type) if n_gdn else (0, 0)
@@ -501,6 +536,12 @@ def stage_memory(kind: str, node, settings, model: Model, world: int, device_typ
         notes.append("activations traced in float32 (an upper bound under autocast: matmul outputs are in the "
                      "compute dtype there)")
     checkpointing = checkpointing_of(node)
+    gathered_dtype = fsdp_param_dtype(strategy, precision)
+    autocast = {k: n * state.autocast_copy for k, n in autocast_copies(student, kind).items()}
+    if gathered_dtype is not None:
+        autocast = {k: 0 for k in autocast}
+        notes.append("FSDP2 mixed precision: parameters gathered in bfloat16, so autocast makes none of the copies "
+                     "above; gradients reduce-scattered from a float32 copy of one unit")
     if kind == "align":
         checkpointing = "checkpoint_mixers" if node.checkpoint_mixers else "none"
         notes.append("activations: the teacher's captured GDN inputs and attention outputs, and every GDN's "
@@ -511,8 +552,9 @@ def stage_memory(kind: str, node, settings, model: Model, world: int, device_typ
         optimizer=trainable * state.optimizer // (world if strategy.shards_optimizer else 1),
         teacher=model.teacher_params * dtype_bytes(teacher_dtype),
         buffers=strategy.buffers(trainable, state, world),
-        autocast={k: n * state.autocast_copy for k, n in autocast_copies(student, kind).items()},
-        gathered=fsdp_gathered(student, kind, state) if strategy.per_layer_units and world > 1 else 0,
+        autocast=autocast,
+        gathered=(fsdp_gathered(student, kind, state, dtype_bytes(gathered_dtype) if gathered_dtype else None)
+                  if strategy.per_layer_units and world > 1 else 0),
         activations=activations, checkpointing=checkpointing, kl=kl, notes=notes,
         settings={"strategy": strategy.name, "precision": precision.name, "world_size": world,
                   "batch_per_rank": [batch, seq_len], "tokens_per_step": steps.tokens_per_step,
@@ -593,6 +635,209 @@ def calibration_memory(settings, model: Model, device_type: str) -> StageMemory:
     return memory
 
 
+# ------------------------------------------------------------------------------------------------ moments
+
+
+@dataclass
+class Moment:
+    """What one device holds at one moment of a run outside the training step: each part's bytes, and what the
+    moment is."""
+
+    parts: dict[str, int]
+    note: str
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return sum(self.parts.values())
+
+    def fits(self, device_gb: float, headroom_gb: float) -> bool:
+        return self.peak + headroom_gb * GB <= device_gb * GB
+
+    def as_dict(self, device_gb: float, headroom_gb: float) -> dict:
+        return {**self.settings, "parts_gb": {k: round(v / GB, 2) for k, v in self.parts.items()},
+                "peak_gb": round(self.peak / GB, 2), "free_gb": round(device_gb - self.peak / GB, 2),
+                "fits": self.fits(device_gb, headroom_gb), "note": self.note}
+
+
+def trained_student_bytes(settings, state: StateBytes) -> int:
+    """Bytes per parameter of the student after its stages: float32 under `-mixed` (cast before the first stage),
+    the compute dtype under `-true`; without stages, the teacher's dtype it was built in."""
+    if not settings.stage.stages():
+        return dtype_bytes(getattr(torch, str(settings.teacher.dtype)))
+    return state.weight
+
+
+def gather_moment(settings, model: Model, world: int) -> Moment | None:
+    """A stage's end (`tcal.training.run.train_stage`): `release_stage` has freed AdamW's states, the gradients and
+    every gathered unit, and the stage's activations are gone with its last step. Under FSDP every rank then
+    gathers the full student (`unsharded_student`: every parameter's full tensor on every rank, in its shards'
+    dtype) while it still holds its shards, which the gather reads; the teacher stays, back in `teacher.dtype`.
+    On one device and under DDP nothing is gathered: the student's own weights and the teacher. None without
+    stages."""
+    if not settings.stage.stages():
+        return None
+    precision, strategy = Precision.parse(settings.trainer.precision), Strategy.parse(settings.trainer.strategy)
+    state = strategy.state_bytes(precision)
+    teacher = model.teacher_params * dtype_bytes(getattr(torch, str(settings.teacher.dtype)))
+    full = model.student_params * state.weight
+    if strategy.shards_weights and world > 1:
+        return Moment({"teacher": teacher, "weight_shards": full // world, "gathered_student": full},
+                      f"FSDP stage end: the full student ({state.weight}-byte weights) gathered on every rank next to "
+                      f"its shards and the teacher; optimizer states, gradients, gathered units and activations "
+                      f"freed before it (release_stage)", {"strategy": strategy.name, "world_size": world})
+    return Moment({"teacher": teacher, "student": full},
+                  "stage end without sharding: the student's own weights and the teacher; optimizer states, "
+                  "gradients and activations freed (release_stage)", {"strategy": strategy.name, "world_size": world})
+
+
+def forward_working_set(tokens: int, config, gdn_width: int, act_bytes: int) -> int:
+    """Without autograd, what one decoder layer's forward holds at once for `tokens` positions (an estimate): its
+    MLP's three [tokens, intermediate] tensors in the activation dtype, and six [tokens, width] float32 tensors
+    (the residual stream and norm, a mixer's q, k, v and output: the GDN computes them in float32), width the larger
+    of the hidden size and the GDN's heads x head_dim."""
+    width = max(config.hidden_size, gdn_width)
+    return 3 * tokens * config.intermediate_size * act_bytes + 6 * tokens * width * 4
+
+
+def final_eval_moment(settings, model: Model) -> Moment:
+    """The final evaluation (`tcal.evaluate.suite.evaluate`), on every rank: the teacher and the trained student
+    both on the device, and the largest working set of its parts at their longest batch:
+
+    - perplexity (`eval.batch_size` x `eval.seq_len`): the head's logits for NLL_CHUNK_ROWS positions at a time
+      (`tcal.evaluate.perplexity.token_nll`), in the compute dtype, their float32 copy and the cross entropy's
+      float32 log-softmax, plus one layer's forward;
+    - the harness (`eval.harness.batch_size` x `max_length`): the batch's final hidden states and the log-softmax of
+      one request's continuation at a time (`tcal.evaluate.ranked_lm.RankedHFLM`; at most `max_length` positions,
+      a rolling log-likelihood's), plus one layer's forward; lm-eval turns autocast off, so a float32 student
+      computes in float32;
+    - RULER (one example of the longest `eval.ruler.lengths`): one layer's forward of the prefill, the kept layers'
+      KV cache and the GDN states, and the last position's logits (generate keeps one).
+    """
+    from tcal.evaluate.perplexity import NLL_CHUNK_ROWS
+
+    precision = Precision.parse(settings.trainer.precision)
+    state = Strategy.parse(settings.trainer.strategy).state_bytes(precision)
+    config, vocab, ev = model.teacher_config, model.vocab_size, settings.eval
+    student_bytes = trained_student_bytes(settings, state)
+    student_config = model.student.config
+    gdn = model.student.gdn(student_config.gdn_layers[0]) if student_config.gdn_layers else None
+    gdn_width = gdn.num_heads * gdn.head_dim if gdn is not None else 0
+    compute = precision.compute_bytes if precision.mixed else student_bytes
+    ppl_tokens = int(ev.batch_size) * int(ev.seq_len)
+    work = {"perplexity": min(NLL_CHUNK_ROWS, ppl_tokens) * vocab * (compute + 4 + 4)
+            + forward_working_set(ppl_tokens, config, gdn_width, compute)}
+    harness = ev.harness
+    if harness.name != "none":
+        tokens = int(harness.batch_size) * int(harness.max_length)
+        continuation = int(harness.max_length) * vocab * 2 * student_bytes  # one request's logits, log-softmax
+        work["harness"] = (tokens * model.hidden_size * student_bytes + continuation
+                           + forward_working_set(tokens, config, gdn_width, student_bytes))
+    if ev.ruler.name != "none":
+        length = max(int(n) for n in ev.ruler.lengths)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv = 2 * len(student_config.keep_layers) * length * config.num_key_value_heads * head_dim * compute
+        states = len(student_config.gdn_layers) * (gdn.num_heads * gdn.head_dim ** 2 * 4 if gdn else 0)
+        work["ruler"] = forward_working_set(length, config, gdn_width, compute) + kv + states + vocab * 4
+    largest = max(work, key=work.get)
+    teacher = model.teacher_params * dtype_bytes(getattr(torch, str(settings.teacher.dtype)))
+    parts = {"teacher": teacher, "student": model.student_params * student_bytes, f"{largest}_work": work[largest]}
+    return Moment(parts,
+                  f"final evaluation: teacher and trained student on every rank, and the largest working set, "
+                  f"{largest}'s (logits bounded by a chunk of positions)",
+                  {"largest": largest, "work_gb": {k: round(v / GB, 2) for k, v in work.items()}})
+
+
+# ------------------------------------------------------------------------------------------------ hours
+
+
+# Peak dense bfloat16 tensor throughput (vendor data sheets, SXM parts) and the model FLOPs utilisation the hours
+# assume: planning constants (no run has measured them here), stated in the output with the formula.
+GPU_RATES = {
+    "H100": {"peak_bf16_tflops": 989.0, "mfu": 0.35},
+    "A100": {"peak_bf16_tflops": 312.0, "mfu": 0.45},
+}
+HOURS_GPUS = 8
+FLOPS_FORMULA = ("per training token: 6 N_trained (forward and backward of the trained matmul parameters) + "
+                 "2 N_teacher (the frozen teacher's forward; Stage 1 without its head) + 2 N_recomputed (checkpointed "
+                 "parts run forward twice) + softmax attention 2 T d_attn per layer forward (causal, T the sequence "
+                 "length), x3 in trained layers + GDN chunk 2 H (2 C d + 3 d^2) per layer forward (chunk C=64, "
+                 "head dim d), x3 in trained layers; hours = FLOPs / (GPUs x peak bf16 x MFU)")
+
+
+def matmul_params(modules) -> int:
+    """Parameters of the nn.Linear modules among `modules`, counted once each (a tied head once): the parameters a
+    token's forward multiplies (embeddings are looked up, norms are elementwise)."""
+    seen, total = set(), 0
+    for module in modules:
+        if isinstance(module, torch.nn.Linear):
+            for p in module.parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel()
+    return total
+
+
+def attention_flops(seq_len: int, config) -> int:
+    """Forward FLOPs per token of one causal softmax attention layer (scores and weighted values, T / 2 keys on
+    average): 2 T H d_head."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * seq_len * config.num_attention_heads * head_dim
+
+
+def gdn_flops(seq_len: int, gdn) -> int:
+    """Forward FLOPs per token of one GDN layer's chunked delta rule (fla's chunk algorithm, an estimate): per head,
+    the chunk's q k^T and its weighted values (2 x 2 C d), and the state's read, correction and update (3 x 2 d^2)."""
+    chunk = min(FLA_CHUNK, seq_len)
+    return gdn.num_heads * (4 * chunk * gdn.head_dim + 6 * gdn.head_dim ** 2)
+
+
+def stage_flops(kind: str, node, model: Model, world: int) -> dict:
+    """Tokens and FLOPs of one training stage by `FLOPS_FORMULA`."""
+    teacher = model.teacher
+    student, config = model.student, model.teacher_config
+    steps = node.steps(world)
+    tokens = steps.total * steps.tokens_per_step
+    T = int(node.seq_len)
+    n_layers, n_kept = config.num_hidden_layers, len(student.config.keep_layers)
+    gdn_layers = list(student.config.gdn_layers)
+    gdn_kernel = gdn_flops(T, student.gdn(gdn_layers[0])) if gdn_layers else 0
+    n_gdn_params = matmul_params(m for i in gdn_layers for m in student.gdn(i).modules())
+    teacher_decoder = matmul_params(teacher.get_decoder().modules())
+    attention = attention_flops(T, config)
+    if kind == "align":
+        per_token = {"teacher_forward": 2 * teacher_decoder + n_layers * attention,
+                     "trained": 6 * n_gdn_params + 3 * len(gdn_layers) * gdn_kernel}
+        recompute = 2 * n_gdn_params + len(gdn_layers) * gdn_kernel if node.checkpoint_mixers else 0
+    else:
+        trained = matmul_params(student.modules())
+        per_token = {"teacher_forward": 2 * matmul_params(teacher.modules()) + n_layers * attention,
+                     "trained": 6 * trained + 3 * (n_kept * attention + len(gdn_layers) * gdn_kernel)}
+        if node.activation_checkpointing:
+            layers = matmul_params(student.get_decoder().layers.modules())
+            recompute = 2 * layers + n_kept * attention + len(gdn_layers) * gdn_kernel
+        elif node.checkpoint_mixers:
+            recompute = 2 * n_gdn_params + len(gdn_layers) * gdn_kernel
+        else:
+            recompute = 0
+    per_token["recompute"] = recompute
+    flops_per_token = sum(per_token.values())
+    return {"tokens": tokens, "flops_per_token": flops_per_token, "flops": tokens * flops_per_token,
+            "flops_per_token_parts": per_token}
+
+
+def hours_plan(settings, model: Model, world: int) -> dict:
+    """Predicted hours of the run's training stages on HOURS_GPUS x H100 and x A100 (`FLOPS_FORMULA`, `GPU_RATES`);
+    calibration, validation and the final evaluation are not counted."""
+    stages = {node.kind: stage_flops(node.kind, node, model, world) for _, node in settings.stage.stages()}
+    total = sum(stage["flops"] for stage in stages.values())
+    gpus = {f"{HOURS_GPUS} x {name}": {**rate, "hours": round(total / (HOURS_GPUS * rate["peak_bf16_tflops"] * 1e12
+                                                                         * rate["mfu"]) / 3600, 2)}
+            for name, rate in GPU_RATES.items()}
+    return {"formula": FLOPS_FORMULA, "total_flops": total, "stages": stages, "gpus": gpus,
+            "not_counted": "calibration (init), the validation curve and the final evaluation"}
+
+
 def host_plan(settings, model: Model, stages: dict, world: int, headroom_gb: float) -> dict:
     """Host memory of a node of `world` ranks (each rank one process), and what a SLURM job asks for it.
 
@@ -638,6 +883,12 @@ def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HE
                    for _, node in settings.stage.stages()})
     per_device = {kind: round(stages[kind].peak / GB, 2) if kind in stages else None
                   for kind in ("calibration", "align", "distill")}
+    step_kind = max(stages, key=lambda kind: stages[kind].peak)
+    step = Moment({"training_step": stages[step_kind].peak}, f"the largest step: {step_kind}'s peak (stages)",
+                  {"stage": step_kind})
+    moments = {"step": step, "stage_end_gather": gather_moment(settings, model, world),
+               "final_evaluation": final_eval_moment(settings, model)}
+    moments = {name: moment for name, moment in moments.items() if moment is not None}
     notes = []
     if str(trainer.devices) in ("-1", "auto") and str(trainer.accelerator) != "cpu":
         notes.append(f"trainer.devices={trainer.devices} counts the GPUs visible here ({world} counted); "
@@ -650,8 +901,10 @@ def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HE
         "trainer": {"accelerator": str(trainer.accelerator), "devices": world, "precision": str(trainer.precision),
                     "kernels": "fla + flash (CUDA)" if device_type == "cuda" else "torch chunk + flash (CPU)"},
         "device_gb": device_gb, "headroom_gb": headroom_gb, "per_device_gb": per_device,
-        "fits": all(stage.fits(device_gb, headroom_gb) for stage in stages.values()),
+        "fits": all(part.fits(device_gb, headroom_gb) for part in [*stages.values(), *moments.values()]),
         "stages": {kind: stage.as_dict(device_gb, headroom_gb) for kind, stage in stages.items()},
+        "moments": {name: moment.as_dict(device_gb, headroom_gb) for name, moment in moments.items()},
+        "hours": hours_plan(settings, model, world),
         "host": host_plan(settings, model, stages, world, headroom_gb),
         "notes": notes,
     }
@@ -705,10 +958,37 @@ def format_plan(plan: dict, label: str) -> str:
     rows.append(["host GB (statistics)", _cell(cal["host_gb"]), *([""] * (len(stages) - 1))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines += ["", moments_line(plan), hours_line(plan)]
     for kind in stages:
         lines += [f"note ({kind}): {n}" for n in plan["stages"][kind]["notes"]]
+    for name, moment in plan["moments"].items():
+        parts = ", ".join(f"{part} {gb:g}" for part, gb in moment["parts_gb"].items())
+        lines.append(f"note ({MOMENT_LABELS[name]}): {parts} GB; {moment['note']}")
+    lines.append(f"note (hours): {plan['hours']['formula']}; not counted: {plan['hours']['not_counted']}")
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
+
+
+MOMENT_LABELS = {"step": "training step", "stage_end_gather": "stage-end gather",
+                 "final_evaluation": "final evaluation"}
+
+
+def moments_line(plan: dict) -> str:
+    """The three moments' per-device peaks and whether each fits, on one line."""
+    cells = []
+    for name, moment in plan["moments"].items():
+        which = moment.get("stage") or moment.get("largest")
+        cells.append(f"{MOMENT_LABELS[name]}{f' ({which})' if which else ''} {moment['peak_gb']:g} GB "
+                     f"(fits: {_cell(moment['fits'])})")
+    return "moments  " + "; ".join(cells)
+
+
+def hours_line(plan: dict) -> str:
+    """The predicted hours on each GPU type, with the peak and utilisation they assume."""
+    hours = plan["hours"]
+    cells = [f"{gpus} ({rate['peak_bf16_tflops']:g} TFLOPs bf16 peak, MFU {rate['mfu']:g}): {rate['hours']:g} h"
+             for gpus, rate in hours["gpus"].items()]
+    return f"hours    {'; '.join(cells)} ({hours['total_flops']:.3g} FLOPs of training stages)"
 
 
 def markdown_table(plans: list[tuple[str, dict]]) -> str:
@@ -724,6 +1004,30 @@ def markdown_table(plans: list[tuple[str, dict]]) -> str:
         lines.append(f"| {label} | {plan['teacher_params'] / 1e9:.2f}B | {plan['student_params'] / 1e9:.2f}B | "
                      f"{plan['retention']['converted']} of {plan['num_layers']} | {_cell(per['calibration'])} | "
                      f"{_cell(per['align'])} | {_cell(per['distill'])} | {acts} | {tokens} | {_cell(plan['fits'])} |")
+    return "\n".join(lines)
+
+
+def moments_markdown(plans: list[tuple[str, dict]]) -> str:
+    """One row per plan: the per-device peak (GB) of each moment and whether all fit, the training tokens of each
+    stage and the predicted hours on each GPU type."""
+    gpus = list(plans[0][1]["hours"]["gpus"]) if plans else []
+    head = ("| run | training step GB | stage-end gather GB | final evaluation GB | fits | tokens (align, distill) | "
+            + " | ".join(f"hours {g}" for g in gpus) + " |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for label, plan in plans:
+        moments, stages = plan["moments"], plan["hours"]["stages"]
+
+        def peak(name: str) -> str:
+            moment = moments.get(name)
+            if moment is None:
+                return "-"
+            which = moment.get("stage") or moment.get("largest")
+            return f"{moment['peak_gb']:g}" + (f" ({which})" if which else "")
+
+        tokens = ", ".join(_cell(stages[k]["tokens"]) if k in stages else "-" for k in ("align", "distill"))
+        hours = " | ".join(f"{plan['hours']['gpus'][g]['hours']:g}" for g in gpus)
+        lines.append(f"| {label} | {peak('step')} | {peak('stage_end_gather')} | {peak('final_evaluation')} | "
+                     f"{_cell(plan['fits'])} | {tokens} | {hours} |")
     return "\n".join(lines)
 
 
@@ -752,6 +1056,8 @@ def main(argv=None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for tcal (group=a,b plans each)")
     parser.add_argument("--json", action="store_true", help="one JSON object per plan")
     parser.add_argument("--markdown", action="store_true", help="one markdown table row per plan")
+    parser.add_argument("--moments-markdown", action="store_true",
+                        help="one markdown table row per plan: the three moments' peaks and the predicted hours")
     parser.add_argument("--slurm-env", action="store_true",
                         help="the environment hydra/launcher=slurm_gpu reads (memory, CPUs and GPUs of a node), "
                              "the largest over the plans: eval \"$(tcal-plan ... --slurm-env)\"")
@@ -773,6 +1079,8 @@ def main(argv=None) -> None:
             print(json.dumps({"run": label, **plan}), flush=True)
     elif args.markdown:
         print(markdown_table(runs), flush=True)
+    elif args.moments_markdown:
+        print(moments_markdown(runs), flush=True)
     else:
         print("\n\n".join(format_plan(plan, label) for label, plan in runs), flush=True)
 
