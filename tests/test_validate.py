@@ -231,6 +231,15 @@ def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     (["retention.keep=[0,"], r"^retention.keep=\[0,: cannot be read \(no viable alternative at input '\[0,'\); "
                              r"expected key=value"),
     (["retention.ratio=0.5,0.75"], r"^retention.ratio=0.5,0.75: a sweep of values in a single run; expected tcal -m"),
+    # a glob over a group's options is expanded before any job: every job is checked, as for a list of options
+    (["-m", "retention=glob(*)", "retention.ratio=0.3"], r"^retention.ratio=0.3: Key 'ratio' not in "
+                                                         r"'ExplicitRetentionSettings' .*\(in the job with "
+                                                         r"retention=explicit\)$"),
+    (["-m", "init=glob(zz*)"], r"^init=glob\(zz\*\): matches none of init's options \(full, full_plus, "),
+    (["-m", "seed=glob(*)"], r"^seed=glob\(\*\): glob\(...\) sweeps the options of a config group, and seed is "
+                             r"not one"),
+    (["-m", "retention.ratio=interval(0,1)"], r"^retention.ratio=interval\(0,1\): BasicSweeper does not support "
+                                              r"sweep type : INTERVAL_SWEEP; expected sweeps of lists of values"),
 ])
 def test_overrides_hydra_cannot_apply_are_one_error_before_any_job(args, match):
     with pytest.raises(ConfigError, match=match) as info:

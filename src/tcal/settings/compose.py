@@ -282,15 +282,37 @@ def sweep_params(overrides: list[str]) -> dict:
 
 
 def planned_jobs(overrides: list[str]) -> list[list[str]]:
-    """Every job of `tcal -m <overrides>` (inside `hydra_configs()`), with a sweep file's params; a sweep Hydra's
-    basic sweeper cannot expand here (a glob) leaves its arguments out, so the rest is still composed."""
+    """Every job of `tcal -m <overrides>` (inside `hydra_configs()`), with a sweep file's params; a glob over a config
+    group's options (`init=glob(*,exclude=naive)`) is expanded to those options, as Hydra's sweeper will."""
     from hydra.errors import HydraException
 
     fixed = [arg for arg in overrides if not parse(arg).is_sweep_override()]
     try:
-        return sweep_jobs(overrides, sweep_params(fixed))
-    except HydraException:
-        return [fixed]
+        return sweep_jobs([expanded_glob(arg) for arg in overrides], sweep_params(fixed))
+    except HydraException as err:
+        swept = " ".join(arg for arg in overrides if parse(arg).is_sweep_override())
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(f"{swept}: {first}; expected sweeps of lists of values (a,b,c), range(...) or a config "
+                          f"group's glob(...)") from None
+
+
+def expanded_glob(arg: str) -> str:
+    """`group=glob(...)` as the choice sweep of the group's options it matches (Hydra's glob, filtered here); any
+    other argument as it is. A glob that matches no option, or one of a key that is not a group, is one line."""
+    from hydra.core.override_parser.types import Glob
+
+    override = parse(arg)
+    if not override.is_sweep_override() or not isinstance(override.value(), Glob):
+        return arg
+    key = override.get_key_element()
+    options = group_options(_override_key(arg))
+    if options is None:
+        raise ConfigError(f"{arg}: glob(...) sweeps the options of a config group, and {key} is not one; expected "
+                          f"{key}=a,b,c for values of a key")
+    matched = override.value().filter(options)
+    if not matched:
+        raise ConfigError(f"{arg}: matches none of {key}'s options ({', '.join(options)})")
+    return f"{arg.split('=', 1)[0]}={','.join(matched)}"
 
 
 def one_job_per_group_choice(jobs: list[list[str]]) -> list[list[str]]:
