@@ -102,6 +102,17 @@ def test_too_short_length_is_an_error(documents, tokenizer):
         make_ruler_examples(documents, tokenizer, 64, "variable_tracking", 1, seed=0)
 
 
+def test_a_length_the_split_cannot_fill_is_an_error_not_a_shorter_prompt(documents, tokenizer):
+    """Each held-out line is used once: a split too short for the length raises, so no prompt shorter than its
+    length is ever recorded under that length; one that is long enough fills it to within a line."""
+    text = "\n".join(documents[0].splitlines()[:200])
+    available = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    with pytest.raises(ValueError, match=r"the evaluation split's text runs out at \d+ of the \d+ haystack tokens"):
+        make_ruler_examples([text], tokenizer, 2 * available, "niah_single", 1, 0)
+    (example,) = make_ruler_examples([text], tokenizer, available // 2, "niah_single", 1, 0)
+    assert len(tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]) > available // 2 - 64
+
+
 def test_normalization():
     assert normalize_answer(" 1234567.\nThe next") == "1234567"
     assert normalize_answer("B, A, C") == normalize_answer("A, B, C.")

@@ -248,13 +248,16 @@ def check_ruler_room(ctx, ruler=None) -> None:
     ruler = ruler or ctx.settings.eval.ruler
     if ruler.name == "none":
         return
-    docs, shortest = [d.text for d in ctx.splits.evaluation], min(ruler.lengths)
-    for task in ruler.tasks:
-        try:
-            make_ruler_examples(docs, ctx.tokenizer, shortest, task, ruler.n, ruler.seed)
-        except ValueError as err:
-            raise ConfigError(f"eval.ruler.lengths={list(ruler.lengths)}: {err}; raise the shortest length or "
-                              f"drop the task from eval.ruler.tasks") from None
+    docs = [d.text for d in ctx.splits.evaluation]
+    for length, fix in ((min(ruler.lengths), "raise the shortest length or drop the task from eval.ruler.tasks"),
+                        (max(ruler.lengths), "expected lengths the evaluation split can fill: more "
+                                             "data.evaluation_docs, or shorter eval.ruler.lengths")):
+        for task in ruler.tasks:
+            try:
+                make_ruler_examples(docs, ctx.tokenizer, length, task, ruler.n, ruler.seed)
+            except ValueError as err:
+                raise ConfigError(f"eval.ruler.lengths={list(ruler.lengths)}: {task} at length {length}: "
+                                  f"{str(err).removeprefix(f'{task} at length {length}: ')}; {fix}") from None
 
 
 def check_split_tokens(ctx) -> None:

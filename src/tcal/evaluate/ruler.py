@@ -61,7 +61,9 @@ def _count(tokenizer, text: str) -> int:
 
 
 def _haystack(lines: list[str], tokenizer, budget: int, rng: random.Random) -> list[str]:
-    """Consecutive held-out lines from a random start (wrapping) until `budget` tokens are used."""
+    """Consecutive held-out lines from a random start (wrapping) until the next line would pass `budget` tokens.
+    Every line is used at most once: a split whose lines run out before the budget cannot fill the prompt, and
+    that is a ValueError rather than a shorter prompt recorded under the asked length."""
     start, taken, used = rng.randrange(len(lines)), [], 0
     while used < budget and len(taken) < len(lines):
         chunk = [lines[(start + len(taken) + k) % len(lines)] for k in range(min(64, len(lines) - len(taken)))]
@@ -70,6 +72,9 @@ def _haystack(lines: list[str], tokenizer, budget: int, rng: random.Random) -> l
                 return taken
             taken.append(line)
             used += len(ids)
+    if used < budget and taken:
+        raise ValueError(f"the evaluation split's text runs out at {used} of the {budget} haystack tokens a prompt "
+                         f"needs")
     return taken
 
 
