@@ -278,9 +278,9 @@ def test_a_damaged_record_is_named_and_the_good_run_reported(tmp_path, capsys):
 
 
 def test_runs_of_one_init_that_differ_in_a_setting_are_told_apart(tmp_path):
-    """Two full_plus runs calibrated on other windows both get a column, named by the setting that differs (a
-    setting only the newer record holds does not count); a run that differs from one of them only in evaluation or
-    output settings is a duplicate, listed and ignored."""
+    """Two full_plus runs calibrated on other windows, and a third evaluated on longer windows, each get a column,
+    named by the settings that differ (a setting only the newer record holds does not count); a run that differs
+    from one of them only in output settings is a duplicate, listed and ignored."""
     def run(ppl, seq_len, **other):
         config = {"seed": 0, "calibration": {"seq_len": seq_len, "lr": 0.001}, "eval": {"seq_len": 512},
                   "paths": {"output_dir": "a"}}
@@ -289,14 +289,16 @@ def test_runs_of_one_init_that_differ_in_a_setting_are_told_apart(tmp_path):
         return _result("uniform", "full_plus", ppl, config=config)
 
     runs = {"short": run(25.0, 256), "long": run(24.0, 2048, teacher={"trust_remote_code": False}),
-            "short_again": run(26.0, 256, eval={"seq_len": 4096}, paths={"output_dir": "b"})}
+            "short_longer_eval": run(26.0, 256, eval={"seq_len": 4096}),
+            "short_again": run(25.0, 256, paths={"output_dir": "b"})}
     for name, data in runs.items():
         (tmp_path / "m" / name).mkdir(parents=True)
         (tmp_path / "m" / name / "results.json").write_text(json.dumps(data))
     assert main([str(tmp_path / "m"), "--out", str(tmp_path / "r")]) == 0
     assert _rows(tmp_path / "r" / "zero_shot.csv") == [
-        ["teacher", "policy", "ratio", "eval set", "teacher PPL", "full_plus (calibration.seq_len=256)",
-         "full_plus (calibration.seq_len=2048)"],
-        ["t1", "uniform", "0.5", "shakespeare", "20.00", "25.00", "24.00"]]
+        ["teacher", "policy", "ratio", "eval set", "teacher PPL",
+         "full_plus (calibration.seq_len=256, eval.seq_len=512)", "full_plus (calibration.seq_len=256, "
+         "eval.seq_len=4096)", "full_plus (calibration.seq_len=2048, eval.seq_len=512)"],
+        ["t1", "uniform", "0.5", "shakespeare", "20.00", "25.00", "26.00", "24.00"]]
     md = (tmp_path / "r" / "report.md").read_text()
     assert "- `short_again/results.json`: duplicate of" in md and str(tmp_path / "m" / "short" / "results.json") in md

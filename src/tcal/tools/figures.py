@@ -81,7 +81,7 @@ class Run:
     tokens_trained: int = 0           # tokens seen over all its stages
     by_position: dict[str, list[dict]] = field(default_factory=dict)  # eval set -> buckets (results.json's)
     config: dict = field(default_factory=dict)  # the recorded settings, {"a.b": value}
-    result_keys: frozenset = frozenset()  # those of them that change the result
+    reported_keys: frozenset = frozenset()  # those of them that change what the run reports (result or evaluation)
     variant: str = ""                 # the settings that tell it from runs of the same group, init and stage
     variant_keys: tuple[str, ...] = ()  # their keys ("calibration.seq_len", ...)
     ruler_cells: dict = field(default_factory=dict)  # role -> {(length, task): (exact match, examples)}
@@ -133,7 +133,7 @@ def _normalize(path: Path, data: dict) -> Run:
         by_position={name: [_position_bucket(b) for b in m["by_position"]] for name, m in metrics.items()
                      if m.get("by_position")},
         stage=data["stage"], tokens_trained=sum(r["tokens_seen"] for r in (data.get("stages") or {}).values()),
-        config=flatten(data.get("config") or {}), result_keys=result_keys(data.get("config") or {}),
+        config=flatten(data.get("config") or {}), reported_keys=reported_keys(data.get("config") or {}),
         ruler_cells={role: _ruler_cells(ruler, role, data.get("config") or {}) for role in ("teacher", "student")},
         keep_layers=list(data["keep_layers"]), num_layers=int(data["teacher"]["num_layers"]),
         retention_details=data.get("retention_details") or {},
@@ -212,8 +212,8 @@ def record_paths(folder: Path) -> list[Path]:
 
 def collect(folder: Path) -> Collected:
     """Every results.json below `folder`, sorted out. Runs of the same group, init and stage that differ in a
-    setting that changes the student (a sweep over `calibration.seq_len`, say) each get those settings as their
-    variant; of two that differ in none, the second is listed as incomplete."""
+    setting that changes the student or its evaluation (a sweep over `calibration.seq_len` or `eval.seq_len`, say)
+    each get those settings as their variant; of two that differ in none, the second is listed as incomplete."""
     found, usable = Collected(), []
     for path in record_paths(Path(folder)):
         try:
@@ -235,8 +235,8 @@ def collect(folder: Path) -> Collected:
     for run in usable:
         key = (run.group, run.init, run.stage)
         if key in seen:
-            found.incomplete.append((run.path, f"duplicate of {seen[key]} (same teacher, policy, ratio, init, stage "
-                                               f"and student settings); ignored"))
+            found.incomplete.append((run.path, f"duplicate of {seen[key]} (same teacher, policy, ratio, init, stage, "
+                                               f"student and evaluation settings); ignored"))
             continue
         seen[key] = run.path
         found.runs.append(run)
@@ -252,10 +252,10 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return items
 
 
-def result_keys(config: dict) -> frozenset:
-    """The keys of a recorded config whose settings change the result, as the settings' fields declare it
-    (`tcal.settings.fields`). A config this tcal cannot read as settings (an older record) is judged by today's
-    fields of the same keys; a key no field has counts as a result setting."""
+def reported_keys(config: dict) -> frozenset:
+    """The keys of a recorded config whose settings change what the run reports: its result or its evaluation
+    figures, as the settings' fields declare it (`tcal.settings.fields`). A config this tcal cannot read as settings
+    (an older record) is judged by today's fields of the same keys; a key no field has counts."""
     from tcal.errors import ConfigError
     from tcal.settings import RunSettings
     from tcal.settings.compose import run_settings
@@ -265,17 +265,17 @@ def result_keys(config: dict) -> frozenset:
         known = levels(run_settings(config))
     except (ConfigError, TypeError, ValueError):
         known = levels(RunSettings())
-    return frozenset(key for key in flatten(config) if known.get(key, "result") == "result")
+    return frozenset(key for key in flatten(config) if known.get(key, "result") in ("result", "eval"))
 
 
 def _name_variants(runs: list[Run]) -> None:
-    """Set each run's variant to its values of the result settings that differ among `runs` (settings that change
-    only the evaluation, or nothing, aside), so no run of a sweep over such a setting hides another in the tables.
-    Only settings all of them recorded count: a record older than a setting holds no value for it."""
+    """Set each run's variant to its values of the reported settings that differ among `runs` (settings that change
+    nothing aside), so no run of a sweep over such a setting, an evaluation setting included, hides another in the
+    tables. Only settings all of them recorded count: a record older than a setting holds no value for it."""
     if len(runs) < 2:
         return
     common = set.intersection(*(set(run.config) for run in runs))
-    counted = common & set.union(*(set(run.result_keys) for run in runs))
+    counted = common & set.union(*(set(run.reported_keys) for run in runs))
     differing = sorted(key for key in counted if any(run.config.get(key) != runs[0].config.get(key) for run in runs))
     for run in runs:
         run.variant = ", ".join(f"{key}={_setting(run.config.get(key))}" for key in differing)
