@@ -78,19 +78,20 @@ def chunked_delta_rule(q, k, v, g, beta, state):
     strict = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool), -1)
     causal = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool))
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    A = ((beta[..., None] * k) @ k.transpose(-1, -2) * decay).masked_fill(~strict, 0)
-    solve = torch.eye(CHUNK) + A
-    vb = v * beta[..., None]
-    kb = k * (beta * G.exp())[..., None]
-    u_base = torch.linalg.solve_triangular(solve, vb, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(solve, kb, upper=False, unitriangular=True)
-    qk = (q @ k.transpose(-1, -2) * decay).masked_fill(~causal, 0)
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2) * decay).masked_fill(~strict, 0)
+    eye = torch.eye(CHUNK)
+    inverse = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    u_base = inverse @ (v * beta[..., None])
+    w = inverse @ (kb * G.exp()[..., None])
+    qk = q @ k.transpose(-1, -2) * decay
+    q_decayed = q * G.exp()[..., None]
+    k_decayed = k * (G[..., -1:] - G).exp()[..., None]
     out = []
     for i in range(n):
         u = u_base[:, :, i] - w[:, :, i] @ state
-        out.append((q[:, :, i] * G[:, :, i, :, None].exp()) @ state + qk[:, :, i] @ u)
-        last = G[:, :, i, -1:]
-        state = state * last[..., None].exp() + (k[:, :, i] * (last - G[:, :, i]).exp()[..., None]).transpose(-1, -2) @ u
+        out.append(q_decayed[:, :, i] @ state + qk[:, :, i] @ u)
+        state = state * G[:, :, i, -1].exp()[..., None, None] + k_decayed[:, :, i].transpose(-1, -2) @ u
     o = torch.stack(out, dim=2).reshape(B, H, n * CHUNK, d)[:, :, :T]
     return o, state
 
@@ -127,7 +128,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, cache=None, linear_attention_mask=None, **kwargs):
         x = hidden_states
-        q = F.normalize(F.silu(self.heads(self.q_proj(x))).float(), dim=-1) / math.sqrt(self.head_dim)
+        q = F.normalize(F.silu(self.heads(self.q_proj(x))).float(), dim=-1) * self.head_dim**-0.5
         k = F.normalize(F.silu(self.heads(self.k_proj(x))).float(), dim=-1)
         v = F.silu(self.heads(self.v_proj(x))).float()
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
