@@ -75,3 +75,20 @@ def test_a_sweep_into_a_folder_of_another_config_keeps_its_results(tmp_path):
     assert (sweep_dir / "0" / "results.json").read_bytes() == kept
     replaced = record(sweep_dir / "1")  # held only a failure before any work: no result to keep
     assert replaced["status"] == "complete" and replaced["ratio"] == 1.0
+
+
+def test_two_sweeps_into_one_folder_each_report_only_their_own_failures(tmp_path):
+    """The same sweep started twice into one folder: each job is done by one of them (the other finds it held, or
+    complete), and neither reports the other's refusals: both exit 0 with every job complete."""
+    sweep_dir = tmp_path / "sweep"
+    args = [sys.executable, "-m", "tcal.cli.app", "-m", "experiment=smoke", "init=naive,zero_gate,small_gate",
+            "eval.num_windows=2", "save_student=false", f"hydra.sweep.dir={sweep_dir}",
+            f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    sweeps = [subprocess.Popen(args, cwd=Path(CONF_DIR).parent, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    done = [sweep.communicate(timeout=600) for sweep in sweeps]
+    assert [sweep.returncode for sweep in sweeps] == [0, 0], [err[-2000:] for _, err in done]
+    records = [json.loads((sweep_dir / str(job) / "results.json").read_text()) for job in range(3)]
+    assert [record["status"] for record in records] == ["complete"] * 3
+    assert not (sweep_dir / "failed_jobs.jsonl").exists()

@@ -25,6 +25,10 @@ class FolderInUse(ConfigError):
     """A run folder that holds a run of another config: refused, so that no result is written over."""
 
 
+class FolderHeld(FolderInUse):
+    """A run folder a live run holds now: the run is someone else's to finish, not a fault of this command's."""
+
+
 class DamagedCheckpoint(ConfigError):
     """A checkpoint a resumed run cannot read: named, before any work, with the record on disk left as it is."""
 

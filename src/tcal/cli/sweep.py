@@ -22,10 +22,13 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from tcal.store.files import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 FAILURES = "failed_jobs.jsonl"
 _failed: list[dict] = []  # the failed jobs of the sweep that ended last in this process
+_mine: list[dict] = []  # the jobs that failed in the sweep running in this process (not another sweep's, same folder)
 _planned: list[list[str]] = []  # every job's overrides, in order, of the sweep running in this process
 
 
@@ -46,7 +49,7 @@ def record_job_failure(cfg, run_dir: Path, err: BaseException) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from tcal.cli.rank import RankFailed
-    from tcal.errors import ConfigError, Divergence
+    from tcal.errors import ConfigError, Divergence, FolderHeld
     from tcal.runtime.distributed import is_rank_zero
     from tcal.runtime.signals import as_interrupt
     from tcal.store.record import RESULTS, describe, record_failure
@@ -60,8 +63,10 @@ def record_job_failure(cfg, run_dir: Path, err: BaseException) -> None:
     if not is_rank_zero():  # ranks started from outside (SLURM tasks) run the job each: rank 0 lists it
         return
     hydra = HydraConfig.get()
-    add_failure_lines(Path(hydra.sweep.dir), [{"job": hydra.job.num, "overrides": list(hydra.overrides.task),
-                                               "folder": str(run_dir), "error": describe(err)}])
+    line = {"job": hydra.job.num, "overrides": list(hydra.overrides.task), "folder": str(run_dir),
+            "error": describe(err), "held": isinstance(err, FolderHeld)}
+    _mine.append(line)
+    add_failure_lines(Path(hydra.sweep.dir), [line])
 
 
 def job_config(cfg) -> dict | None:
@@ -86,8 +91,7 @@ def record_sweep_interrupt(err: BaseException, run_dir: Path) -> None:
 
     hydra = HydraConfig.get()
     job, sweep_dir = int(hydra.job.num), Path(hydra.sweep.dir)
-    listed = (sweep_dir / FAILURES).read_text(encoding="utf-8").splitlines() if (sweep_dir / FAILURES).is_file() else []
-    failed = [entry for entry in map(json.loads, filter(str.strip, listed)) if entry["job"] != job]
+    failed = [entry for entry in _mine if entry["job"] != job]
     later = [{"job": num, "overrides": overrides, "folder": str(sweep_dir / str(num)),
               "error": f"not run: the sweep was {err}"} for num, overrides in enumerate(_planned) if num > job]
     add_failure_lines(sweep_dir, later)
@@ -153,6 +157,25 @@ def planned_jobs(config) -> list[list[str]]:
         return []
 
 
+def done_elsewhere(job: dict) -> bool:
+    """Whether a job this sweep found held by another live run was finished by that run: the sweep waits for the
+    hold to end (the other run works on it), then reads the job's record."""
+    from tcal.store.locks import describe_holder, locked
+    from tcal.store.record import read_record
+    from tcal.store.rerun import RUN_LOCK
+
+    if not job.get("held"):
+        return False
+
+    def waiting(holder: dict) -> None:
+        print(f"tcal: sweep job {job['job']} ({job['folder']}) is held by {describe_holder(holder)}; waiting for it "
+              f"to end", file=sys.stderr, flush=True)
+
+    with locked(Path(job["folder"]) / RUN_LOCK, on_wait=waiting, remove=True):
+        record = read_record(Path(job["folder"]))
+    return bool(record) and record.get("status") == "complete"
+
+
 def failures_path(config) -> Path:
     return Path(str(config.hydra.sweep.dir)) / FAILURES
 
@@ -167,11 +190,16 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         failures_path(config).unlink(missing_ok=True)
         _failed.clear()
+        _mine.clear()
         _planned[:] = planned_jobs(config)
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        path = failures_path(config)
-        lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
-        _failed[:] = [json.loads(line) for line in lines if line.strip()]
+        """This sweep's failures (another sweep into the same folder lists its own), less the jobs it found held by
+        another live run that are complete now: that run did them. The list file is this sweep's, written whole."""
+        _failed[:] = [job for job in _mine if not done_elsewhere(job)]
+        if _failed:
+            write_text_atomic(failures_path(config), "".join(json.dumps(job) + "\n" for job in _failed))
+        else:
+            failures_path(config).unlink(missing_ok=True)
         for job in _failed:
             print(f"tcal: sweep job {job['job']} failed ({job['folder']}): {job['error']}", file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ import contextlib
 import functools
 from pathlib import Path
 
-from tcal.errors import ConfigError, DamagedCheckpoint, FolderInUse
+from tcal.errors import ConfigError, DamagedCheckpoint, FolderHeld, FolderInUse
 from tcal.settings import RunSettings
 from tcal.settings.relevance import differences, leaves, with_values
 from tcal.store.locks import describe_holder, holder_of, locked
@@ -137,7 +137,7 @@ def holding_folder(run_dir: Path):
     lock = Path(run_dir) / RUN_LOCK
     with locked(lock, wait=False, remove=True) as held:
         if not held:
-            raise FolderInUse(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one "
+            raise FolderHeld(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one "
                               f"run per folder: wait for it to end or stop it, or pass another hydra.run.dir / "
                               f"hydra.sweep.dir")
         _held.add(key)
@@ -155,7 +155,7 @@ def check_not_held(run_dir: Path) -> None:
         return
     with locked(lock, wait=False, remove=True) as held:
         if not held:
-            raise FolderInUse(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one "
+            raise FolderHeld(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one "
                               f"run per folder: wait for it to end or stop it, or pass another hydra.run.dir / "
                               f"hydra.sweep.dir")
 
