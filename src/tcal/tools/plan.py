@@ -435,13 +435,15 @@ def decoder_activations(trace: LayerTrace, n_kept: int, n_gdn: int) -> dict[str,
 
 
 def kl_bytes(tokens: int, hidden: int, vocab: int, chunk: int, student_dtype, teacher_dtype,
-             compute_dtype=None, device_type: str = "cuda") -> int:
+             compute_dtype=None, device_type: str = "cuda", head_dtype=None) -> int:
     """The fused KL's peak (`training/kd.py`): the float32 gradient accumulator of the student head [V, D], both
     models' final hidden states with their row copies and the float32 gradient of the student's, and
     KL_CHUNK_TENSORS [chunk, V] float32 tensors of one chunk. Under autocast (`compute_dtype`) a head not already
     in the compute dtype is copied once for the call: the student head's copy is counted with the autocast copies
     (`autocast_copies`), the teacher head's here; off CUDA each chunk's head-gradient product is a [V, D] tensor in
-    the compute dtype besides the accumulator (CUDA's addmm adds into it in float32 directly)."""
+    the compute dtype besides the accumulator (CUDA's addmm adds into it in float32 directly). A head in a reduced
+    `head_dtype` under autocast (FSDP's bfloat16 gathered head) gets its float32 accumulated gradient back as a copy
+    in that dtype once the chunks are done: the larger of that copy and a chunk's tensors counts."""
     s, t = dtype_bytes(student_dtype), dtype_bytes(teacher_dtype)
     hidden_states = tokens * hidden * (2 * s + 2 * t + 4)
     copies = 0
@@ -449,7 +451,9 @@ def kl_bytes(tokens: int, hidden: int, vocab: int, chunk: int, student_dtype, te
         copies += vocab * hidden * dtype_bytes(compute_dtype)
     if compute_dtype is not None and device_type != "cuda":
         copies += vocab * hidden * dtype_bytes(compute_dtype)
-    return vocab * hidden * 4 + hidden_states + KL_CHUNK_TENSORS * min(chunk, tokens) * vocab * 4 + copies
+    chunks = KL_CHUNK_TENSORS * min(chunk, tokens) * vocab * 4 + copies
+    returned = vocab * hidden * dtype_bytes(head_dtype) if compute_dtype is not None and head_dtype else 0
+    return vocab * hidden * 4 + hidden_states + max(chunks, returned)
 
 
 def linear_params(modules) -> int:
@@ -519,11 +523,13 @@ def stage_memory(kind: str, node, settings, model: Model, world: int, device_typ
         student.gdn(i).requires_grad_(True)
     batch, seq_len = int(node.batch_size), int(node.seq_len)
     n_gdn = len(student.config.gdn_layers)
+    gathered_dtype = fsdp_param_dtype(strategy, precision)
     if kind == "distill":
         trace = trace_decoder(student, batch, seq_len, device_type)
         activations = decoder_activations(trace, len(student.config.keep_layers), n_gdn)
         kl = kl_bytes(batch * seq_len, model.hidden_size, model.vocab_size, int(node.kl_chunk_size),
-                      trace_dtype, teacher_dtype, precision.compute if precision.mixed else None, device_type)
+                      trace_dtype, teacher_dtype, precision.compute if precision.mixed else None, device_type,
+                      gathered_dtype)
     else:
         mixer, loss = trace_alignment(student.gdn(student.config.gdn_layers[0]), batch, seq_len, trace_dtype,
                                       device_type) if n_gdn else (0, 0)
@@ -536,7 +542,6 @@ def stage_memory(kind: str, node, settings, model: Model, world: int, device_typ
         notes.append("activations traced in float32 (an upper bound under autocast: matmul outputs are in the "
                      "compute dtype there)")
     checkpointing = checkpointing_of(node)
-    gathered_dtype = fsdp_param_dtype(strategy, precision)
     autocast = {k: n * state.autocast_copy for k, n in autocast_copies(student, kind).items()}
     if gathered_dtype is not None:
         autocast = {k: 0 for k in autocast}
