@@ -159,3 +159,26 @@ def test_two_ranks_split_the_documents_and_give_one_process_figures(documents, t
     for rank in (0, 1):
         line = (tmp_path / f"rank_{rank}.log").read_text().strip()
         assert line == f"harness: rank {rank} of 2 scores 25 loglikelihood requests", line
+
+
+def test_a_split_too_short_for_the_harness_fails_before_any_work(tmp_path):
+    """The local harness's tasks are built before the init and the stages: documents too short for them are one
+    ConfigError before anything is written, not a failure after Stage 2."""
+    from conftest import compose, isolated_cache_dir
+
+    from tcal.errors import ConfigError
+    from tcal.pipeline import run
+
+    files = []
+    for i in range(5):
+        files.append(tmp_path / f"d{i}.txt")
+        files[-1].write_text("\n".join(f"Short line number {j} of document {i}." for j in range(40)))
+    settings = compose("experiment=smoke", "init=naive", "eval/harness=local", "data.source=files",
+                       f"data.files=[{','.join(map(str, files))}]", "data.calibration_docs=1",
+                       "data.evaluation_docs=1", "eval.num_windows=1", "eval.seq_len=32", "stage=distill",
+                       "stage.batch_size=1", "stage.seq_len=32", "stage.max_tokens=64", "stage.eval_every_tokens=64",
+                       f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}")
+    with pytest.raises(ConfigError, match=r"^eval/harness=local: next-line task needs more held-out text .*; "
+                                          r"expected more held-out text \(data.evaluation_docs\)"):
+        run(settings, tmp_path / "run")
+    assert not (tmp_path / "run" / "results.json").exists()

@@ -231,6 +231,8 @@ def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     (["retention.keep=[0,"], r"^retention.keep=\[0,: cannot be read \(no viable alternative at input '\[0,'\); "
                              r"expected key=value"),
     (["retention.ratio=0.5,0.75"], r"^retention.ratio=0.5,0.75: a sweep of values in a single run; expected tcal -m"),
+    (["~stage"], r"^~stage: deletes the config group stage, which every run has; expected stage=<option> \(align, "),
+    (["~eval/harness"], r"^~eval/harness: deletes the config group eval/harness, which every run has"),
     # a glob over a group's options is expanded before any job: every job is checked, as for a list of options
     (["-m", "retention=glob(*)", "retention.ratio=0.3"], r"^retention.ratio=0.3: Key 'ratio' not in "
                                                          r"'ExplicitRetentionSettings' .*\(in the job with "

@@ -212,6 +212,7 @@ def check_loaded(ctx) -> None:
     check_vocabulary(ctx)
     check_split_tokens(ctx)
     check_ruler_room(ctx)
+    check_harness_room(ctx)
     check_recall_room(ctx)
 
 
@@ -223,6 +224,21 @@ def check_vocabulary(ctx) -> None:
         key = "teacher.config.vocab_size" if ctx.settings.teacher.config else "teacher.path"
         raise ConfigError(f"{key}: the teacher's embedding has {rows} rows, fewer than its tokenizer's {ids} ids; "
                           f"expected a vocabulary of at least {ids} (or the teacher's own tokenizer)")
+
+
+def check_harness_room(ctx) -> None:
+    """The local harness's tasks can be cut from the evaluation split (built now as the evaluation will build them:
+    a short split fails before any work, not after Stage 2)."""
+    harness = ctx.settings.eval.harness
+    if harness.name != "local":
+        return
+    from tcal.evaluate.local_tasks import task_records
+
+    try:
+        task_records([d.text for d in ctx.splits.evaluation], int(harness.seed), int(harness.n_examples))
+    except ValueError as err:
+        raise ConfigError(f"eval/harness=local: {err}; expected more held-out text (data.evaluation_docs), fewer "
+                          f"eval.harness.n_examples, or eval/harness=none") from None
 
 
 def check_recall_room(ctx) -> None:

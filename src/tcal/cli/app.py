@@ -127,6 +127,10 @@ def check_arguments(args: list[str]) -> None:
     overrides = [a for a in args if a not in RUN_FLAGS]
     multirun = any(a in ("-m", "--multirun") for a in args)
     for arg in overrides:
+        group = parse(arg).key_or_group
+        if parse(arg).is_delete() and group_options(group) is not None:
+            raise ConfigError(f"{arg}: deletes the config group {group}, which every run has; expected "
+                              f"{group}=<option> ({', '.join(group_options(group))})")
         if not multirun and parse(arg).is_sweep_override():
             raise ConfigError(f"{arg}: a sweep of values in a single run; expected tcal -m ... to run one job "
                               f"per value, or {arg.split('=', 1)[0]}=[...] for a list")

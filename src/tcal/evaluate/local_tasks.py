@@ -51,15 +51,19 @@ def build_local_tasks(documents: list[str], out_dir, seed: int = 0, n_examples: 
     """
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    records = {
-        CLOZE_TASK: _cloze_records(documents, random.Random(f"{seed}:cloze"), n_examples, split),
-        NEXTLINE_TASK: _nextline_records(documents, random.Random(f"{seed}:nextline"), n_examples, split),
-    }
+    records = task_records(documents, seed, n_examples, split)
     for task, rows in records.items():
         data = out / f"{task}.jsonl"
         write_text_atomic(data, "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rows))
         write_text_atomic(out / f"{task}.yaml", _task_yaml(task, data))
     return list(records)
+
+
+def task_records(documents: list[str], seed: int = 0, n_examples: int = 200, split: str = "eval") -> dict:
+    """{task: its records} of the cloze and next-line tasks; a ValueError names what the documents lack (the run
+    builds them before any work, `tcal.preflight.check_loaded`, so short documents never fail after training)."""
+    return {CLOZE_TASK: _cloze_records(documents, random.Random(f"{seed}:cloze"), n_examples, split),
+            NEXTLINE_TASK: _nextline_records(documents, random.Random(f"{seed}:nextline"), n_examples, split)}
 
 
 def _cloze_records(documents, rng, n, split):
