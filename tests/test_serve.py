@@ -2,9 +2,11 @@
 TCAL_SERVE_VENV / TCAL_HF_VENV). vLLM runs in its own venv (.venv-serve) through `python -m tcal.serving.generate`;
 the `hf` and `qwen3_5` exports are loaded in a venv holding only torch and transformers (.venv-hf).
 
-- The default SmolLM2 student (uniform 50%, naive init: `make run`'s student with init=naive and stage=none), exported
-  `--format vllm`, served by vLLM in bf16, passes the bf16 rule against the float32 student (`tcal.export.parity`);
-  the same export with a wrong norm convention fails it.
+- The default SmolLM2 student (uniform 50%, `make run`'s `full` init shortened to `SMOLLM2_PHASE2_STEPS` Phase 2
+  steps per layer, stage none), exported `--format vllm`, served by vLLM in bf16, passes the bf16 rule against the
+  float32 student (`tcal.export.parity`); the same export with a wrong norm convention fails it. A naive or Phase-1
+  student would not do: its own bf16 forward in transformers already fails the rule against its float32 one (the
+  random GDN branches amplify rounding), so no engine could pass it.
 - A tiny Qwen3 student exported `--format qwen3_5` is served by vLLM under its stock `Qwen3_5ForCausalLM` and matches
   the student in float32 through transformers without tcal; a tiny Qwen2 student is served through the plugin.
 - The SmolLM2 student's `hf` export loads and generates in the torch-and-transformers venv.
@@ -74,15 +76,20 @@ def load_without_tcal(folder: Path, prompts) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+SMOLLM2_PHASE2_STEPS = 30  # per layer (the default is 300); the calibrated layers are cached for the next run
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """(float32 student, tokenizer, its folder, its fixed prompts): SmolLM2-135M, uniform 50%, naive init."""
+    """(float32 student, tokenizer, its folder, its fixed prompts): SmolLM2-135M, uniform 50%, short `full` init."""
     from tcal import api
     from tcal.retention.uniform import uniform_layers
-    from tcal.settings import default_teacher
+    from tcal.settings import CalibrationSettings, DataSettings, Phase2Settings, default_teacher, init_settings
 
     teacher = api.load_teacher(default_teacher())
     student = api.build_student(teacher, uniform_layers(teacher.num_layers, 0.5))
+    api.initialize(student, teacher, api.load_data(DataSettings()), init_settings("full"),
+                   calibration=CalibrationSettings(phase2=Phase2Settings(steps=SMOLLM2_PHASE2_STEPS)))
     folder = api.save(student, teacher.tokenizer, tmp_path_factory.mktemp("smollm2") / "student")
     return student, teacher.tokenizer, folder, parity_prompts(teacher.tokenizer, student.config.vocab_size)
 
