@@ -288,9 +288,7 @@ def tokenized(documents: Iterable[Document], tokenizer, workers: int) -> Iterato
             yield from document_ids(batch, tokenizer)
         yield from (ids for batch in texts for ids in document_ids(batch, tokenizer))
         return
-    import multiprocessing
-
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+    with ProcessPoolExecutor(workers, mp_context=pool_context(), initializer=_start_worker,
                              initargs=(tokenizer,)) as pool:
         queued: collections.deque = collections.deque()
         try:
@@ -303,6 +301,15 @@ def tokenized(documents: Iterable[Document], tokenizer, workers: int) -> Iterato
         finally:
             for future in queued:
                 future.cancel()
+
+
+def pool_context():
+    """Workers forked where the platform forks (Linux): they inherit the tokenizer and import nothing, and a script
+    without a `__main__` guard is not run again in each of them (under `spawn` it would be, and its own preparation
+    would wait for this one's lock). Elsewhere, spawned."""
+    import multiprocessing
+
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 
 
 def _chain(first, second, rest):
