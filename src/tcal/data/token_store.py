@@ -15,8 +15,8 @@ renamed) and then listed in the manifest (rewritten whole), so a killed preparat
 next one continues after them: an unlisted or damaged shard is redone. One process prepares a store at a time (a
 lock per key, `tcal.store.cache.key_lock`); the others wait and map the finished files.
 
-Reading maps the shards (`numpy.memmap`): processes share the pages, and a rank's memory holds the windows it reads,
-not the corpus.
+Reading maps the shards (`numpy.memmap`): processes share the pages, and a rank's own memory holds the windows it
+reads (and each stage's epoch order, 8 bytes a window: `tcal.training.data.EpochWindows`), not the corpus's tokens.
 """
 
 from __future__ import annotations
