@@ -100,6 +100,7 @@ def test_smollm2_student_served_by_vllm_passes_the_bf16_rule(smollm2, tmp_path):
     check = record["engine_check"]
     assert check["checked"] and check["passed"], check["summary"]
     assert check["engine"]["architecture"] == "TcalHybridForCausalLM" and check["engine"]["dtype"] == "bfloat16"
+    assert check["engine"]["gdn_state_dtype"] == "float32"  # the plugin's config hook, as the student keeps it
 
 
 def test_broken_vllm_export_fails_the_bf16_rule(smollm2, tmp_path):

@@ -3,8 +3,9 @@
 The request (one JSON object on stdin): {"model": folder, "prompts": [[token ids], ...], "tokens": n, "top_k": k,
 "dtype": "bfloat16"}. The answer (one JSON line on stdout): each prompt's n greedy tokens (end-of-text ignored, so
 every prompt runs as long), the k most likely token ids at each step, and which engine ran: the vLLM version, the
-architecture vLLM resolved and the dtype. Run with vLLM's Python (`.venv-serve/bin/python`); vLLM runs in this
-process (no engine subprocess, eager mode, one thread), the settings under which an engine starts in seconds on a CPU.
+architecture vLLM resolved, the dtype and the GDN state's dtype. Run with vLLM's Python (`.venv-serve/bin/python`);
+vLLM runs in this process (no engine subprocess, eager mode, one thread), the settings under which an engine starts
+in seconds on a CPU.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def main() -> int:
     tokens, top_k = generate(llm, request["prompts"], request["tokens"], request["top_k"])
     import vllm
 
-    config = llm.llm_engine.model_config
+    config = llm.llm_engine.vllm_config
     print(json.dumps({"tokens": tokens, "top_k": top_k,
-                      "engine": {"vllm": vllm.__version__, "architecture": config.architecture, "dtype": dtype}}))
+                      "engine": {"vllm": vllm.__version__, "architecture": config.model_config.architecture,
+                                 "dtype": dtype, "gdn_state_dtype": config.cache_config.mamba_ssm_cache_dtype}}))
     return 0
 
 
