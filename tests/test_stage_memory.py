@@ -52,6 +52,8 @@ class StageObjects(L.Callback):
     def on_train_end(self, trainer, module) -> None:
         self.refs[module.kind] = {"module": weakref.ref(module),
                                   **{f"optimizer {i}": weakref.ref(o) for i, o in enumerate(trainer.optimizers)}}
+        if trainer.strategy.model is not module:  # the strategy's wrapper (DDP's, with its gradient buckets)
+            self.refs[module.kind]["wrapped module"] = weakref.ref(trainer.strategy.model)
 
     def alive(self) -> dict[str, list[str]]:
         return {kind: [name for name, ref in refs.items() if ref() is not None] for kind, refs in self.refs.items()}
@@ -69,7 +71,7 @@ def distill_watched(tiny, tmp_path, monkeypatch, trainer: TrainerSettings):
     gather = training.unsharded_student
 
     def watched_gather(stage_trainer, student, ctx, kind):
-        alive = [name for name, ref in watch.refs[kind].items() if name != "module" and ref() is not None]
+        alive = [name for name, ref in watch.refs[kind].items() if name.startswith("optimizer") and ref() is not None]
         at_gather[kind] = (alive, [n for n, p in student.named_parameters() if p.grad is not None])
         return gather(stage_trainer, student, ctx, kind)
 
@@ -168,3 +170,12 @@ def test_the_harness_scores_one_continuation_s_logits_at_a_time_with_lm_eval_s_f
     assert [value for value, _ in scored] == pytest.approx([value for value, _ in expected], rel=1e-5, abs=1e-5)
     assert bounded.largest == max(len(cont) for _, _, cont in requests) * vocab
     assert theirs.largest >= 4 * 40 * vocab  # a batch of four of the longest requests
+
+
+def test_a_ddp_stage_frees_its_wrapped_module_too(tiny, tmp_path, monkeypatch, one_rank_group):
+    """One DDP rank in this process: the DistributedDataParallel wrapper (its gradient buckets as large as the
+    gradients) goes with the stage's module and optimizer, by reference counting."""
+    watch_alive, at_gather, collections = distill_watched(tiny, tmp_path, monkeypatch,
+                                                          TrainerSettings(strategy="ddp", accelerator="cpu", devices=1))
+    assert watch_alive == {"align": [], "distill": []} and collections == []
+    assert at_gather == {"align": ([], []), "distill": ([], [])}

@@ -264,11 +264,13 @@ def release_stage(trainer, module, data) -> None:
     """Free what a finished stage holds for training, before the stage-end gather: AdamW's states, the student's
     gradients (under FSDP both are shards), and every link that ties the stage's optimizer, LightningModule and
     wrapped module to the Trainer, its strategy and the data module. Lightning links them both ways (the module and
-    the data module hold the Trainer; the Trainer's strategy holds the module, the wrapped module, the optimizers,
-    their Lightning wrappers and the schedulers, which hold the optimizers again): without this the optimizer and
-    module of a stage live in reference cycles until a full garbage collection, next to the following stage's.
-    With the links cut they are freed by reference counting as soon as the caller drops the module and the
-    Trainer (the Trainer's own internal cycles hold nothing of the stage). The student itself stays usable."""
+    the data module hold the Trainer; the Trainer's strategy holds the module, the wrapped module (DDP's wrapper,
+    with gradient buckets as large as the gradients), the optimizers, their Lightning wrappers and the schedulers,
+    which hold the optimizers again; the callbacks hold the module's logging methods, and under DDP the module holds
+    its own redirected `forward`): without this the optimizer and module of a stage live in reference cycles until
+    a full garbage collection, next to the following stage's. With the links cut they are freed by reference
+    counting as soon as the caller drops the module and the Trainer (the Trainer's own internal cycles hold nothing
+    of the stage). The student itself stays usable."""
     strategy = trainer.strategy
     for optimizer in strategy.optimizers:
         optimizer.state.clear()
@@ -278,6 +280,7 @@ def release_stage(trainer, module, data) -> None:
     strategy.model = None
     strategy._lightning_module = None  # Lightning has no public way to disconnect a module from its strategy
     module.trainer = None
+    module.__dict__.pop("forward", None)  # Lightning's forward redirection (DDP) leaves a bound `forward` on it
     data.trainer = None
     trainer._data_connector._datahook_selector = None  # it holds the module and the data module
     for callback in trainer.callbacks:  # Lightning gives every callback the module's `log` and `log_dict`
