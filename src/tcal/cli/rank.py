@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +37,9 @@ log = logging.getLogger("tcal.cli.rank")  # also when run as __main__
 STOP_GRACE_S = 30.0
 KILL_AFTER_S = 10.0  # how long a stopped rank (SIGTERM) gets before SIGKILL
 POLL_S = 0.1
+# How long a rank that took a signal, or whose job's process is gone, may take to stop on its own before it ends
+# itself: a rank blocked in a collective on a peer that left runs no Python until the process group's timeout.
+RANK_EXIT_GRACE_S = 15.0
 
 
 class RankFailed(RuntimeError):
@@ -100,24 +104,40 @@ def run_ranks(settings, run_dir: Path, resume: bool) -> None:
                 env = {**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)}
                 processes[rank] = subprocess.Popen([sys.executable, "-m", "tcal.cli.rank", str(spec)], env=env,
                                                    stdin=subprocess.DEVNULL)
-            failed = wait_for_ranks(processes)
-        except (Interrupted, KeyboardInterrupt) as err:  # the ranks get the job's signal: each records it
+            failed = wait_for_ranks(processes, Path(scratch))
+        except (Interrupted, KeyboardInterrupt) as err:  # the ranks get the job's signal, then the record says it
+            interrupt = as_interrupt(err)
             stop(processes, [rank for rank, process in processes.items() if process.poll() is None],
-                 as_interrupt(err).signum)
+                 interrupt.signum)
+            mark_unless_complete(run_dir, interrupt, tree)  # whatever rank 0 could write before it stopped
             raise
         finally:
             stop(processes, [rank for rank, process in processes.items() if process.poll() is None])
         if not failed:
             return
         error = first_error({rank: processes[rank].returncode for rank in failed}, Path(scratch))
+    if isinstance(error, Interrupted):  # a rank was signalled alone: the job stops as if it had been
+        mark_unless_complete(run_dir, error, tree)
+        log.error("run %s (record: %s)", error, Path(run_dir) / "results.json")
+        raise error
     if not isinstance(error, ConfigError) and record_failure(run_dir, error, tree) is not None:
         log.error("run failed: %s (record: %s)", describe(error), Path(run_dir) / "results.json")
     raise error
 
 
-def wait_for_ranks(processes: dict[int, subprocess.Popen]) -> list[int]:
+def mark_unless_complete(run_dir: Path, interrupt: Interrupted, config: dict) -> None:
+    """The record of an interrupted run says which signal stopped it (a record already complete stays so: the
+    signal came after the work)."""
+    from tcal.store.record import read_record, record_failure
+
+    if (read_record(run_dir) or {}).get("status") != "complete":
+        record_failure(run_dir, interrupt, config)
+
+
+def wait_for_ranks(processes: dict[int, subprocess.Popen], reports: Path | None = None) -> list[int]:
     """Wait until every rank ended; the ranks seen failed first (one, or several ended between two looks; their
-    peers stopped `STOP_GRACE_S` later if still running), or [] when all succeeded."""
+    peers stopped `STOP_GRACE_S` later if still running), or [] when all succeeded. A rank that stopped for a signal
+    (one sent to it alone) passes that signal on to the others at once: every rank stops as it would have."""
     failed: list[int] = []
     deadline = None
     while True:
@@ -128,6 +148,11 @@ def wait_for_ranks(processes: dict[int, subprocess.Popen]) -> list[int]:
                 deadline = time.monotonic() + STOP_GRACE_S
                 log.error("rank %s failed (exit code %s)", ", ".join(map(str, failed)),
                           ", ".join(str(codes[rank]) for rank in failed))
+                signum = interrupting_signal(codes[failed[0]], reports, failed[0])
+                if signum is not None:
+                    for rank, code in codes.items():
+                        if code is None:
+                            processes[rank].send_signal(signum)
         running = [rank for rank, code in codes.items() if code is None]
         if not running:
             return failed
@@ -152,6 +177,21 @@ def stop(processes: dict[int, subprocess.Popen], ranks: list[int], signum: int =
             processes[rank].wait()
 
 
+def interrupting_signal(code: int, reports: Path | None, rank: int) -> int | None:
+    """The signal a rank that ended with `code` stopped for (its report, or an exit code of 128 + a handled signal),
+    or None when it failed otherwise."""
+    from tcal.runtime.signals import SIGNALS
+
+    report_file = reports / f"rank_{rank}.json" if reports is not None else None
+    if report_file is not None and report_file.is_file():
+        reported = json.loads(report_file.read_text(encoding="utf-8"))
+        return reported.get("signum")
+    for signum in (code - 128, -code):  # stopped by our handler, or by a signal's default action before it was set
+        if signum in SIGNALS:
+            return signum
+    return None
+
+
 def first_error(codes: dict[int, int], reports: Path) -> Exception:
     """The error of the rank that failed first among `codes` ({rank: exit code}, seen failed together): one that
     died without a report (killed) before one that reported, reports by the time of the error."""
@@ -162,9 +202,14 @@ def first_error(codes: dict[int, int], reports: Path) -> Exception:
 
 
 def rank_error(rank: int, code: int, reported: dict | None) -> Exception:
-    """The error rank `rank` reported (its own type for tcal's errors), or how it died when it reported none."""
+    """The error rank `rank` reported (its own type for tcal's errors; `Interrupted` for a signal), or how it died
+    when it reported none."""
     from tcal import errors
 
+    if reported is not None and reported.get("signum") is not None:
+        return Interrupted(reported["signum"])
+    if reported is None and interrupting_signal(code, None, rank) is not None:
+        return Interrupted(interrupting_signal(code, None, rank))
     if reported is not None:
         kind = getattr(errors, reported["type"], None)
         if isinstance(kind, type) and issubclass(kind, (errors.ConfigError, errors.Divergence)):
@@ -197,11 +242,38 @@ def die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def report(folder: Path, rank: int, error: Exception) -> None:
+def report(folder: Path, rank: int, error: BaseException) -> None:
     from tcal.store.files import write_json_atomic
 
-    write_json_atomic(folder / f"rank_{rank}.json", {"rank": rank, "type": type(error).__name__,
+    signum = error.signum if isinstance(error, Interrupted) else None
+    write_json_atomic(folder / f"rank_{rank}.json", {"rank": rank, "type": type(error).__name__, "signum": signum,
                                                      "message": str(error), "time": time.time()})
+
+
+def exit_unless_stopped(reason: str, signum: int, grace: float, record) -> None:
+    """In `grace` seconds, end this rank (exit code 128 + `signum`) if it has not ended: a rank blocked in a
+    collective on a peer that left runs no Python, and would otherwise hold its folder's lock until the process
+    group's timeout. `record()` marks the run's record first (rank 0)."""
+    def expire() -> None:
+        time.sleep(grace)
+        log.error("rank stops: %s, and it did not stop on its own within %.0f s", reason, grace)
+        try:
+            record()
+        finally:
+            os._exit(128 + signum)
+
+    threading.Thread(target=expire, name="tcal-rank-exit", daemon=True).start()
+
+
+def watch_job(parent: int, record) -> None:
+    """A thread that notices the job's process is gone (its ranks then get SIGTERM, `die_with_parent`) and ends this
+    rank if that SIGTERM could not stop it."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(POLL_S * 5)
+        exit_unless_stopped("the job's process is gone", signal.SIGTERM, RANK_EXIT_GRACE_S, record)
+
+    threading.Thread(target=watch, name="tcal-job-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from tcal.errors import ConfigError, Divergence
     from tcal.runtime.distributed import launch
+    from tcal.runtime import signals
     from tcal.settings.compose import run_settings
     from tcal.store.record import describe
 
@@ -222,12 +295,21 @@ def main(argv: list[str] | None = None) -> None:
                   OmegaConf.create(verbose) if isinstance(verbose, list) else verbose)
     settings = run_settings(spec["config"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    def mark_interrupted(signum: int = signal.SIGTERM) -> None:
+        if rank == 0:
+            mark_unless_complete(Path(spec["run_dir"]), Interrupted(signum), spec["config"])
+
+    signals.on_signal.append(lambda signum: exit_unless_stopped(f"{signal.Signals(signum).name} received", signum,
+                                                                RANK_EXIT_GRACE_S, lambda: mark_interrupted(signum)))
+    watch_job(int(spec["parent"]), mark_interrupted)
     try:
         from tcal.pipeline import run
 
         run(settings, Path(spec["run_dir"]), resume=bool(spec["resume"]), ranks=launch(settings.trainer))
     except (Interrupted, KeyboardInterrupt) as err:  # the record says so (tcal.store.record); the job's process exits
         interrupt = as_interrupt(err)
+        report(Path(spec["reports"]), rank, interrupt)
         log.warning("rank %d of %d stops: %s", rank, world, interrupt)
         sys.exit(interrupt.exit_code)
     except Exception as err:  # noqa: BLE001 - reported to the job's process, which decides what the job did

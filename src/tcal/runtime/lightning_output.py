@@ -17,10 +17,11 @@ import logging
 import sys
 from typing import Any
 
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 from tcal.runtime.progress import LOG_REDRAW_S, DrawnLines, draws_in_place
+from tcal.runtime.signals import quiet_signal_connector
 
 TIP_MARK = "💡"
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
@@ -108,13 +109,22 @@ def log_once() -> None:
         logger.propagate = True
 
 
+class LeaveSignalsToTcal(Callback):
+    """Keeps Lightning from installing its signal handlers in the Trainer it is given to (its setup hook runs before
+    the Trainer registers them): `tcal.runtime.signals` handles every signal, and Lightning's SIGTERM handler can hang
+    a multi-rank run (`quiet_signal_connector`)."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        trainer._signal_connector = quiet_signal_connector(trainer)
+
+
 def trainer_callbacks(callbacks: list) -> list:
-    """`callbacks` with tcal's `ProgressBar` unless they hold a progress bar already; from here on Lightning's lines
-    are logged once and its tips not at all."""
+    """`callbacks` with tcal's `ProgressBar` unless they hold a progress bar already, and `LeaveSignalsToTcal`; from
+    here on Lightning's lines are logged once and its tips not at all."""
     from lightning.pytorch.callbacks.progress import ProgressBar as AnyProgressBar
 
     log_once()
     drop_tips()
     if any(isinstance(callback, AnyProgressBar) for callback in callbacks):
-        return list(callbacks)
-    return [*callbacks, ProgressBar()]
+        return [*callbacks, LeaveSignalsToTcal()]
+    return [*callbacks, ProgressBar(), LeaveSignalsToTcal()]

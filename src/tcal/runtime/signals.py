@@ -1,11 +1,11 @@
-"""The one place signals are handled: SIGTERM (what SLURM sends on preemption or time-out), SIGINT (Ctrl-C) and
-SIGUSR1 (SLURM's warning before the time limit) stop a run wherever it is, as an `Interrupted` error.
+"""The one place signals are handled: SIGTERM (what SLURM sends on preemption or time-out), SIGINT (Ctrl-C),
+SIGUSR1 (SLURM's warning before the time limit) and SIGHUP (a closed terminal) stop a run wherever it is, as an
+`Interrupted` error. Lightning's own handlers are never installed (`quiet_signal_connector`).
 
 `handling()` (a context manager and decorator) installs the handler for the outermost block that uses it (the
 `tcal` entry, `tcal.pipeline.run`, every step of `tcal.api`) and restores the handlers it found when that block
 ends. The handler raises `Interrupted(signum)` at the point the signal arrives; it travels through Lightning
-untouched (Lightning's own SIGTERM handler, installed by each Trainer, runs first, then ours: it only notes the
-signal), unlike a KeyboardInterrupt, which Lightning turns into `sys.exit(1)`. Leaving the outermost block, an
+untouched, unlike a KeyboardInterrupt, which Lightning turns into `sys.exit(1)`. Leaving the outermost block, an
 interrupt by SIGINT becomes `KeyboardInterrupted`, a KeyboardInterrupt, so that a notebook's Ctrl-C inside
 `api.distill` raises what Python users expect, never SystemExit. A second signal while the first one unwinds is
 noted in the log and otherwise ignored, so the record of the interrupt is written whole.
@@ -23,10 +23,12 @@ import functools
 import logging
 import signal
 import threading
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# SIGHUP: the terminal that started the run closed
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
 class Interrupted(BaseException):
@@ -65,6 +67,8 @@ def as_interrupt(err: BaseException) -> Interrupted | None:
 _depth = 0
 _saved: dict[int, object] = {}
 _received: list[int] = []
+# called with the signal's number as the handler takes a signal, before it raises (a rank arms its exit there)
+on_signal: list[Callable[[int], None]] = []
 
 
 def _handler(signum, frame) -> None:
@@ -74,7 +78,25 @@ def _handler(signum, frame) -> None:
         return
     _received.append(signum)
     log.warning("%s received: stopping the run", signal.Signals(signum).name)
+    for hook in on_signal:
+        hook(signum)
     raise Interrupted(signum)
+
+
+def quiet_signal_connector(trainer):
+    """A Lightning signal connector for `trainer` that installs no handler, so this module's handler stays the only
+    one while a Trainer runs. Lightning's SIGTERM handler broadcasts a tensor from inside the handler: when every rank
+    is signalled at once and one of them is blocked in another collective (where no Python runs until it returns),
+    that broadcast never completes and every rank hangs until the process group's timeout. Ours raises where the
+    signal lands and enters no collective. Installed by `tcal.runtime.lightning_output.LeaveSignalsToTcal`."""
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    class QuietSignalConnector(_SignalConnector):
+        def register_signal_handlers(self) -> None:
+            self.received_sigterm = False
+            self._original_handlers = {}
+
+    return QuietSignalConnector(trainer)
 
 
 @contextlib.contextmanager
