@@ -306,3 +306,23 @@ def test_a_signal_to_a_two_rank_job_reaches_its_ranks_and_the_rerun_resumes_exac
     assert code == 0, out[-3000:]
     assert_same_result(read(tmp_path / "run"), read(straight))
     assert_same_weights(tmp_path / "run", straight)
+
+
+def test_while_a_trainer_runs_every_signal_is_tcal_s_alone(tiny, tmp_path):
+    """No Lightning handler is installed under a Trainer tcal builds: Lightning's SIGTERM handler broadcasts from
+    inside the handler and hangs ranks signalled together (tests/test_rank_signals.py)."""
+    from lightning.pytorch.callbacks import Callback
+
+    from tcal.runtime import signals
+
+    seen = {}
+
+    class Handlers(Callback):
+        def on_train_batch_start(self, *args):
+            seen.update({signum: signal.getsignal(signum) for signum in signals.SIGNALS})
+
+    teacher, splits = tiny
+    api.distill(api.build_student(teacher, [0, 2]), teacher, splits,
+                DistillSettings(batch_size=2, seq_len=32, eval_every_tokens=64), tokens=128, run_dir=tmp_path,
+                cache_dir=tmp_path / "cache", progress=api.StageProgress(callbacks=[Handlers()]))
+    assert seen and all(handler is signals._handler for handler in seen.values()), seen
