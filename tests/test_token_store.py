@@ -219,6 +219,19 @@ def test_a_streamed_retrieval_mix_reads_a_bounded_sample(tokenizer, whole):
     assert module.dataset()[3].shape == (192,)  # sample 3 of a quarter mix is a retrieval sequence
 
 
+def test_missing_local_shards_fail_before_work_on_one_line(corpus, compose_cfg, tmp_path):
+    from test_errors import run_fails
+
+    from tcal.errors import ConfigError
+
+    missing = f"{tmp_path}/nowhere/*.parquet"
+    match = rf"^data.data_files: '{re.escape(missing)}' matches no file \(data.dataset='parquet' reads local files\)"
+    with pytest.raises(ConfigError, match=match):
+        load_splits(compose(*local_data(corpus), "data.dataset=parquet", f"data.data_files={{train:'{missing}'}}").data)
+    run_fails(compose_cfg, tmp_path, ConfigError, match, *local_data(corpus), "data.dataset=parquet",
+              f"data.data_files={{train:'{missing}'}}")
+
+
 def test_a_streamed_source_needs_the_store(tokenizer, data):
     with pytest.raises(DataError, match=r"data.dataset='json' is streamed .* expected stage.cache_tokens=true"):
         token_store.training_tokens(load_splits(data).train, tokenizer, None, data)

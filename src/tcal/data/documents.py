@@ -121,9 +121,10 @@ def offline_message(cfg, cause: str) -> str:
 
 def check_dataset_reachable(cfg) -> None:
     """Offline, a hub dataset (`org/name`) that is neither a local folder nor in the datasets cache fails at
-    once, before `datasets` spends its retries on it."""
+    once, before `datasets` spends its retries on it; a builder's local data files that are not there fail too."""
     from tcal.hub import datasets_cache_dir, hub_dataset_cached, hub_offline
 
+    check_local_data_files(cfg)
     name = str(cfg.dataset)
     if not hub_offline(datasets=True) or "/" not in name or Path(name).expanduser().exists():
         return
@@ -198,12 +199,35 @@ class StreamedDocuments:
                 "max_documents": cfg.max_documents, "held_out": self.held_out}
 
 
+def data_file_patterns(files) -> list[str]:
+    """Every file or pattern of `data.data_files` (as `plain_data_files` gives it)."""
+    if files is None:
+        return []
+    if isinstance(files, (str, list)):
+        return [files] if isinstance(files, str) else list(files)
+    return [f for v in files.values() for f in ([v] if isinstance(v, str) else v)]
+
+
+def local_matches(pattern: str) -> list[str]:
+    return glob.glob(os.path.expanduser(pattern), recursive=True)
+
+
+def check_local_data_files(cfg) -> None:
+    """A packaged builder's data files (`data.dataset=json`, `parquet`, `text`, ...: a name without `/` that is no
+    folder) are local: each file or pattern must match a file (a hub dataset's are paths inside its repository)."""
+    name = str(cfg.dataset)
+    if not cfg.data_files or "/" in name or Path(name).expanduser().exists():
+        return
+    for pattern in data_file_patterns(plain_data_files(cfg.data_files)):
+        if not local_matches(pattern):
+            raise ConfigError(f"data.data_files: {pattern!r} matches no file (data.dataset={name!r} reads local "
+                              f"files); expected an existing file or a pattern that matches some")
+
+
 def local_file_sizes(dataset: str, files) -> dict[str, int]:
     """{path: bytes} of the local files a dataset reads (a local folder's files, the data files' matches), so a
     changed local copy makes another store; hub files are not listed."""
-    patterns = [] if files is None else [files] if isinstance(files, str) else files if isinstance(files, list) \
-        else [f for v in files.values() for f in ([v] if isinstance(v, str) else v)]
-    paths = sorted({Path(p) for pattern in patterns for p in glob.glob(os.path.expanduser(pattern), recursive=True)})
+    paths = sorted({Path(p) for pattern in data_file_patterns(files) for p in local_matches(pattern)})
     folder = Path(dataset).expanduser()
     if folder.is_dir():
         paths += sorted(p for p in folder.rglob("*") if p.is_file())
