@@ -236,10 +236,29 @@ def test_host_figure_is_the_largest_host_holding_of_each_rank():
     assert host["ranks"] == 4
     assert parts["teacher_load"] == round(plan["teacher_params"] * 4 / 2**30, 2)  # tiny_llama is float32
     assert parts["export_rank0"] == round(plan["student_params"] * 4 / 2**30, 2)
-    per_rank = max(parts["teacher_load"], parts["statistics"]) + parts["process"]
-    rank0 = max(parts["teacher_load"], parts["statistics"], parts["export_rank0"]) + parts["process"]
-    assert host["per_node_gb"] == pytest.approx(rank0 + 3 * per_rank, abs=0.02)
+    whole_checkpoint = plan["student_params"] * (4 + 8)  # Stage 2 trains every parameter: weights and Adam's states
+    assert parts["checkpoint_rank0"] == round(whole_checkpoint / 2**30, 2) and parts["checkpoint_per_rank"] == 0
+    per_rank = max(parts["teacher_load"], parts["statistics"], parts["checkpoint_per_rank"]) + parts["data_per_rank"] \
+        + parts["process"]
+    rank0 = max(parts["teacher_load"], parts["statistics"], parts["export_rank0"], parts["checkpoint_rank0"]) \
+        + parts["data_rank0"] + parts["process"]
+    assert host["per_node_gb"] == pytest.approx(rank0 + 3 * per_rank, abs=0.03)
     assert host["slurm_mem_gb"] >= host["per_node_gb"] + plan["headroom_gb"] > host["slurm_mem_gb"] - 1
+
+
+def test_the_host_figure_counts_checkpoint_and_data_staging():
+    """A paper run's ranks stage a checkpoint (FSDP: each its shard) and hold each stage's reading plan of the token
+    store (rank 0 also the shard it prepares): `--slurm-env` asks for them."""
+    plan = make_plan(compose("experiment=qwen3_8b_uniform_r025_align_distill"))
+    parts = plan["host"]["parts_gb"]
+    shard = round(plan["student_params"] * 12 / 8 / 2**30, 2)
+    assert parts["checkpoint_rank0"] == parts["checkpoint_per_rank"] == shard
+    windows = 2_000_000_000 // 512
+    assert parts["data_per_rank"] == round(windows * 24 / 2**30, 2)
+    assert parts["data_rank0"] == round((windows * 24 + 50_000_000 * 8) / 2**30, 2)
+    ddp = make_plan(compose("experiment=qwen3_8b_uniform_r025_align_distill", "trainer=ddp", "trainer.devices=8"))
+    assert ddp["host"]["parts_gb"]["checkpoint_rank0"] == round(plan["student_params"] * 12 / 2**30, 2)
+    assert ddp["host"]["slurm_mem_gb"] > plan["host"]["slurm_mem_gb"]
 
 
 @pytest.mark.parametrize("policy,kept_known", [("uniform", True), ("ar", False), ("ga_s2", False)])

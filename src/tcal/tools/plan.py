@@ -854,14 +854,48 @@ def host_plan(settings, model: Model, stages: dict, world: int, headroom_gb: flo
     teacher_load = model.teacher_params * dtype_bytes(getattr(torch, str(settings.teacher.dtype)))
     statistics = int(stages["calibration"].settings["host_gb"] * GB)
     export = model.student_params * 4 if settings.save_student else 0
-    per_rank = max(teacher_load, statistics) + PROCESS_HOST_GB * GB
-    rank0 = max(teacher_load, statistics, export) + PROCESS_HOST_GB * GB
+    checkpoint_rank0, checkpoint = checkpoint_staging(settings, model, world)
+    data_rank0, data = data_staging(settings)
+    per_rank = max(teacher_load, statistics, checkpoint) + data + PROCESS_HOST_GB * GB
+    rank0 = max(teacher_load, statistics, export, checkpoint_rank0) + data_rank0 + PROCESS_HOST_GB * GB
     node = rank0 + (world - 1) * per_rank
     return {"per_rank_gb": round(per_rank / GB, 2), "rank0_gb": round(rank0 / GB, 2),
             "per_node_gb": round(node / GB, 2), "ranks": world,
             "slurm_mem_gb": math.ceil(node / GB + headroom_gb), "cpus_per_task": HOST_CPUS_PER_RANK,
             "parts_gb": {"teacher_load": round(teacher_load / GB, 2), "statistics": round(statistics / GB, 2),
-                         "export_rank0": round(export / GB, 2), "process": PROCESS_HOST_GB}}
+                         "export_rank0": round(export / GB, 2), "checkpoint_rank0": round(checkpoint_rank0 / GB, 2),
+                         "checkpoint_per_rank": round(checkpoint / GB, 2), "data_rank0": round(data_rank0 / GB, 2),
+                         "data_per_rank": round(data / GB, 2), "process": PROCESS_HOST_GB}}
+
+
+def checkpoint_staging(settings, model: Model, world: int) -> tuple[int, int]:
+    """(rank 0, any other rank) bytes of host memory a stage checkpoint stages: the student's float32 weights and
+    Adam's two float32 states of what the stage trains (Stage 2: every student parameter). One process or DDP:
+    rank 0 serializes the whole checkpoint in memory before it writes it (`atomic_checkpoint_io`); FSDP: each rank
+    stages its own shard. Nothing without a training stage."""
+    kinds = [node.kind for _, node in settings.stage.stages()]
+    if not kinds:
+        return 0, 0
+    trainable = model.student_params if "distill" in kinds else model.gdn_params
+    whole = model.student_params * 4 + trainable * 8
+    if str(settings.trainer.strategy) == "fsdp":
+        return math.ceil(whole / world), math.ceil(whole / world)
+    return whole, 0
+
+
+def data_staging(settings) -> tuple[int, int]:
+    """(rank 0, any other rank) bytes of host memory the training data takes besides the mapped token store (whose
+    pages are shared and reclaimable): each stage's reading plan, 8 bytes for each of three arrays per window of the
+    store (`tcal.training.data.plan_reading`), and on the rank that prepares the store one shard being written
+    (`data.shard_tokens` int32 tokens, twice: gathered and written). A source without `max_tokens` (a local split)
+    is counted as none: its windows are few."""
+    stored = getattr(settings.data, "max_tokens", None)
+    stages = [node for _, node in settings.stage.stages()]
+    if not stored or not stages:
+        return 0, 0
+    windows = stored // min(node.seq_len for node in stages)
+    reading = windows * 8 * 3
+    return reading + settings.data.shard_tokens * 4 * 2, reading
 
 
 def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HEADROOM_GB) -> dict:
