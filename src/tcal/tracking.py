@@ -130,6 +130,22 @@ def make_logger(settings, run_dir: Path, wandb: dict | None = None):
     raise ValueError(f"logger={name!r}; expected none, csv or wandb")
 
 
+def log_curve(logger, kind: str, curve: dict) -> None:
+    """A stage's curve ({eval set: [{tokens, ppl}]}) to `logger` as its evaluations log it (`curve_metric` against
+    `tokens_metric`): a stage taken from the cache has the same panels as one computed (rows it logged before, when
+    the run is continued, are dropped first)."""
+    if logger is None:
+        return
+    drop_rows_after(logger, kind, None)
+    points: dict[int, dict] = {}
+    for eval_set, series in curve.items():
+        for point in series:
+            points.setdefault(int(point["tokens"]), {})[curve_metric(kind, eval_set)] = point["ppl"]
+    for tokens, values in sorted(points.items()):
+        logger.log_metrics({**values, tokens_metric(kind): float(tokens)}, step=tokens)
+    logger.save()
+
+
 def log_figures(logger, figures: dict, tokens_seen: int = 0) -> None:
     """Numbers of a (nested) results dict, flattened, at step `tokens_seen`."""
     if logger is not None:

@@ -35,7 +35,7 @@ from tcal.store.fingerprint import digest, plain, teacher_fingerprint, weights_d
 from tcal.store.record import is_stage_record
 from tcal.store.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
-from tcal.tracking import drop_rows_after
+from tcal.tracking import drop_rows_after, log_curve
 from tcal.training.data import (
     PackedTextDataModule,
     describe_reading,
@@ -109,7 +109,16 @@ def stage1_key(ctx, student, plan: StagePlan) -> str:
     gdn_start = gdn_state(student).values()  # hashed tensor by tensor (fingerprint.digest streams tensors)
     alone = dataclasses.replace(ctx.settings, stage=plan.cfg)
     return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start,
-                  cache_settings("stage1", alone), plan.data.windows_key, world_size(ctx.settings.trainer))
+                  cache_settings("stage1", alone), plan.data.windows_key, world_size(ctx.settings.trainer),
+                  *curve_windows(ctx).values())
+
+
+def curve_windows(ctx) -> dict:
+    """{eval set: [num_windows, seq_len] token windows} the stages' curves are measured on: by content in the Stage 1
+    key, so an eval file edited between two runs is measured again rather than read from the old curve."""
+    ev = ctx.settings.eval
+    return {name: token_windows(docs, ctx.tokenizer, int(ev.seq_len), int(ev.num_windows))
+            for name, docs in eval_sets(ctx.settings.data, ctx.splits).items()}
 
 
 def gdn_state(student) -> dict:
@@ -329,6 +338,7 @@ def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
                                        folder=folder, codec=stage1_codec(student), ranks=ctx.ranks)
         if record["cached"]:
             on_curve(record["curve"])
+            log_curve(logger, plan.kind, record["curve"])  # its panels as a computed stage has them
         return record, student
     return train_stage(plan, ctx, student, logger, on_curve, resume)
 
@@ -337,8 +347,7 @@ def train_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
     """`run_stage` without the Stage 1 cache."""
     settings = ctx.settings
     ev = settings.eval
-    windows = {name: token_windows(docs, ctx.tokenizer, int(ev.seq_len), int(ev.num_windows))
-               for name, docs in eval_sets(settings.data, ctx.splits).items()}
+    windows = curve_windows(ctx)
     plan.data.eval_loaders = lambda: eval_dataloaders(windows, int(ev.batch_size), ctx.ranks.rank,
                                                       ctx.ranks.world_size)
     module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps, eval_names=list(windows),
