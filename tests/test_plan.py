@@ -421,3 +421,11 @@ def test_plan_text_prints_the_moments_and_the_hours(capsys):
     assert "moments  training step (distill)" in out and "stage-end gather" in out and "final evaluation" in out
     assert "8 x H100 (989 TFLOPs bf16 peak, MFU 0.35)" in out and "8 x A100 (312 TFLOPs bf16 peak, MFU 0.45)" in out
     assert "note (hours): per training token: 6 N_trained" in out
+
+
+@pytest.mark.parametrize("flag,value", [("--device-gb", "nan"), ("--device-gb", "inf"), ("--headroom-gb", "-1"),
+                                        ("--device-gb", "eighty")])
+def test_memory_flags_take_finite_gigabytes(flag, value, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main([flag, value])
+    assert stopped.value.code == 2 and f"argument {flag}: '{value}'" in capsys.readouterr().err

@@ -1082,6 +1082,17 @@ def slurm_env(plans: list[dict]) -> str:
     return f"export TCAL_SLURM_MEM_GB={mem} TCAL_CPUS_PER_TASK={cpus} TCAL_GPUS_PER_NODE={gpus}"
 
 
+def gigabytes(text: str) -> float:
+    """A finite number of GB >= 0 (argparse's `type`: its error names the flag); NaN and infinity plan nothing."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of GB >= 0")
+    return value
+
+
 def label_of(overrides: list[str]) -> str:
     return " ".join(overrides) or "(defaults)"
 
@@ -1100,8 +1111,8 @@ def main(argv=None) -> None:
     parser.add_argument("--slurm-env", action="store_true",
                         help="the environment hydra/launcher=slurm_gpu reads (memory, CPUs and GPUs of a node), "
                              "the largest over the plans: eval \"$(tcal-plan ... --slurm-env)\"")
-    parser.add_argument("--device-gb", type=float, default=80.0, help="memory of one device (default 80)")
-    parser.add_argument("--headroom-gb", type=float, default=DEFAULT_HEADROOM_GB,
+    parser.add_argument("--device-gb", type=gigabytes, default=80.0, help="memory of one device (default 80)")
+    parser.add_argument("--headroom-gb", type=gigabytes, default=DEFAULT_HEADROOM_GB,
                         help=f"kept free on each device: fits means peak + headroom <= device "
                              f"(default {DEFAULT_HEADROOM_GB:g})")
     args = parser.parse_args(argv)
