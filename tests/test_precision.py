@@ -179,12 +179,23 @@ def test_fused_kl_head_gemms_run_in_bfloat16_and_accumulate_in_float32_under_aut
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
 
 
-def test_fused_kl_head_gradient_path_is_named_per_device():
-    from tcal.training.kd import head_grad_path
+def test_fused_kl_head_gradient_path_is_named_per_device_and_accumulates_in_float32():
+    """Each accumulation path adds a bfloat16 product into a float32 accumulator in place. CUDA's (addmm with
+    out_dtype) has no CPU kernel: its call is checked on the meta device (dtypes, shapes, in place)."""
+    from tcal.training.kd import add_head_grad, head_grad_path
 
     assert head_grad_path(torch.float32, torch.float32, "cpu") == "same_dtype"
     assert head_grad_path(torch.float32, torch.bfloat16, "cuda") == "out_dtype"  # addmm(out_dtype=float32)
     assert head_grad_path(torch.float32, torch.bfloat16, "cpu") == "chunk_product"  # no out_dtype kernel there
+    gen = torch.Generator().manual_seed(0)
+    grad_t, h = (torch.randn(shape, generator=gen).bfloat16() for shape in ((12, 5), (5, 7)))
+    for path, device in (("chunk_product", "cpu"), ("out_dtype", "meta")):
+        accumulator = torch.ones(12, 7, device=device)
+        add_head_grad(accumulator, grad_t.to(device), h.to(device), path)
+        assert accumulator.dtype == torch.float32 and accumulator.shape == (12, 7)
+        if device == "cpu":
+            expected = 1 + grad_t.double() @ h.double()
+            torch.testing.assert_close(accumulator.double(), expected, rtol=1e-2, atol=1e-2)
 
 
 def test_both_checkpointings_run_each_mixer_forward_twice_per_step_not_three_times(monkeypatch):

@@ -76,6 +76,12 @@ def distill_watched(tiny, tmp_path, monkeypatch, trainer: TrainerSettings):
         return gather(stage_trainer, student, ctx, kind)
 
     monkeypatch.setattr(training, "unsharded_student", watched_gather)
+    import lightning.pytorch.strategies.strategy as lightning_strategy
+
+    to_device = lightning_strategy._optimizers_to_device
+    moved = []  # the optimizer states Lightning's teardown copies to the host (one device and DDP)
+    monkeypatch.setattr(lightning_strategy, "_optimizers_to_device", lambda optimizers, device: (
+        moved.append(sum(len(o.state) for o in optimizers)), to_device(optimizers, device)))
     collect = training.collect_checkpoint_cycles
     collections = []
     monkeypatch.setattr(training, "collect_checkpoint_cycles", lambda kind: (collections.append(kind), collect(kind)))
@@ -86,6 +92,7 @@ def distill_watched(tiny, tmp_path, monkeypatch, trainer: TrainerSettings):
                                        progress=api.StageProgress(callbacks=[watch]))
         alive = watch.alive()
     assert set(records) == {"align", "distill"} and all(records[k]["steps"] == 2 for k in records)
+    assert not any(moved)  # cleared at the end of training, before the teardown
     assert not any(p.grad is not None for p in student.parameters())
     return alive, at_gather, collections
 

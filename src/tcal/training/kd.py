@@ -52,6 +52,18 @@ def head_grad_path(accumulator: torch.dtype, compute: torch.dtype, device_type: 
     return "out_dtype" if device_type == "cuda" else "chunk_product"
 
 
+def add_head_grad(accumulator: torch.Tensor, grad_logits_t: torch.Tensor, h: torch.Tensor, path: str) -> None:
+    """accumulator [V, D] += grad_logits_t [V, rows] @ h [rows, D], the way `path` names (`HEAD_GRAD_PATHS`):
+    in place in one dtype, through CUDA's `addmm` with a float32 `out_dtype`, or via a product in the operands'
+    dtype added into the accumulator."""
+    if path == "same_dtype":
+        accumulator.addmm_(grad_logits_t, h)  # in place: no head-sized temporary per chunk
+    elif path == "out_dtype":
+        torch.addmm(accumulator, grad_logits_t, h, out_dtype=accumulator.dtype, out=accumulator)
+    else:
+        accumulator.add_(grad_logits_t @ h)
+
+
 class _FusedHeadKL(torch.autograd.Function):
     """loss = mean KL(teacher || student) + ce_weight * mean CE over rows, for student logits = hidden @ weight.T.
 
@@ -95,12 +107,7 @@ class _FusedHeadKL(torch.autograd.Function):
             del teacher_p, student_p, student_logp
             grad_logits = grad_logits.to(dtype)
             grad_hidden[rows] = grad_logits @ w
-            if path == "same_dtype":
-                grad_weight.addmm_(grad_logits.T, h)  # in place: no head-sized temporary per chunk
-            elif path == "out_dtype":
-                torch.addmm(grad_weight, grad_logits.T, h, out_dtype=accumulate, out=grad_weight)
-            else:
-                grad_weight.add_(grad_logits.T @ h)
+            add_head_grad(grad_weight, grad_logits.T, h, path)
             del grad_logits
         del w, tw
         ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype))

@@ -215,7 +215,12 @@ class StageModule(PerplexityValidation):
 
     def on_train_end(self) -> None:
         """Every rank's weight digest, gathered: a DDP run proves its ranks ended identical. A sharded student
-        holds shards: its digests are taken after the gather (`tcal.training.run.train_stage`)."""
+        holds shards: its digests are taken after the gather (`tcal.training.run.train_stage`). The optimizer
+        states are cleared here, once training is over: Lightning's teardown, next, would otherwise copy them to the
+        host (one device and DDP move them to the CPU at the end of a fit), only for the stage end to free them
+        (`tcal.training.run.release_stage`)."""
+        for optimizer in self.trainer.optimizers:
+            optimizer.state.clear()
         if is_sharded(self.student):
             return
         mine = torch.tensor([int(weights_digest(self.student)[:15], 16)], dtype=torch.int64, device=self.device)
