@@ -201,7 +201,9 @@ def test_fused_kl_head_gradient_path_is_named_per_device_and_accumulates_in_floa
 def test_both_checkpointings_run_each_mixer_forward_twice_per_step_not_three_times(monkeypatch):
     """`stage.checkpoint_mixers` and `stage.activation_checkpointing` together: the checkpointed layer recomputes its
     mixer once in backward and the mixer's own checkpoint is skipped inside it; the losses are those of either
-    checkpointing alone (a recompute changes no value)."""
+    checkpointing alone (a recompute changes no value), and the trained weights those of the former nesting (the
+    mixers' checkpoints forced on inside the layers', three mixer forwards each): float32 is unchanged."""
+    from tcal.store.fingerprint import weights_digest
     from tcal.student.gdn import GatedDeltaNet
 
     calls: list[int] = []
@@ -213,13 +215,22 @@ def test_both_checkpointings_run_each_mixer_forward_twice_per_step_not_three_tim
 
     monkeypatch.setattr(GatedDeltaNet, "mix", counted)
 
-    def one_step(mixers: bool, layers: bool):
+    def one_step(mixers: bool, layers: bool, nested: bool = False):
         teacher = make_teacher("llama", seed=3)
         student = build_student(teacher, [0, 2], seed=0)
         cfg = compose("stage=distill", "stage.lr_mixer=1e-3", "stage.lr_rest=1e-4",
                       f"stage.checkpoint_mixers={str(mixers).lower()}",
                       f"stage.activation_checkpointing={str(layers).lower()}").stage
         module = DistillStage(student, teacher, cfg, 1)
+        if nested:
+            checkpointing = module.set_checkpointing
+
+            def former(mixers: bool, layers: bool) -> None:
+                checkpointing(mixers, layers)
+                for i in student.config.gdn_layers:
+                    student.gdn(i).checkpoint_training = mixers
+
+            module.set_checkpointing = former
         losses = []
         loss_of = module.loss
         module.loss = lambda batch: (lambda out: (losses.append(out[0].item()), out)[1])(loss_of(batch))
@@ -229,15 +240,17 @@ def test_both_checkpointings_run_each_mixer_forward_twice_per_step_not_three_tim
                             limit_val_batches=0)
         calls.clear()
         trainer.fit(module, DataLoader(batches, batch_size=2))
-        return sorted(calls), losses
+        return sorted(calls), losses, weights_digest(student)
 
-    both, both_losses = one_step(True, True)
+    both, both_losses, both_weights = one_step(True, True)
     assert both == [1, 1, 3, 3]  # GDN layers 1 and 3: the forward and the layer's recompute
-    layers, layer_losses = one_step(False, True)
-    mixers, mixer_losses = one_step(True, False)
+    layers, layer_losses, _ = one_step(False, True)
+    mixers, mixer_losses, _ = one_step(True, False)
     assert layers == mixers == both
     assert one_step(False, False)[0] == [1, 3]
     assert both_losses == layer_losses == mixer_losses
+    nested, nested_losses, nested_weights = one_step(True, True, nested=True)
+    assert nested == [1, 1, 1, 3, 3, 3] and (nested_losses, nested_weights) == (both_losses, both_weights)
 
 
 def sharded_dtypes(precision: str):
