@@ -211,3 +211,27 @@ def test_the_trainer_writes_checkpoints_with_the_atomic_io(tmp_path):
     plan = SimpleNamespace(kind="distill", total_steps=1, eval_every_steps=1, cfg=SimpleNamespace(grad_clip=1.0))
     trainer = make_trainer(TrainerSettings(), plan, tmp_path, None, [])
     assert isinstance(trainer.strategy.checkpoint_io, atomic_checkpoint_io())
+
+
+@pytest.mark.parametrize("raised", [
+    Exception("No space left on device (os error 28)"),  # the tokenizers library's writer
+    RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),  # safetensors'
+])
+def test_a_library_s_full_disk_is_one_write_failure_naming_the_path(raised, tmp_path):
+    """Libraries with Rust writers report a full disk as their own exception with the OS error in its text: it is a
+    WriteFailed naming the path and ENOSPC (one line from `tcal`), and the target keeps its content."""
+    from tcal.store.files import WriteFailed, write_atomic, write_folder_atomic
+
+    def full(tmp):
+        raise raised
+
+    (tmp_path / "entry.bin").write_bytes(b"kept")
+    with pytest.raises(WriteFailed, match=rf"^cannot write {tmp_path / 'entry.bin'}: No space left on device "
+                                          r"\(ENOSPC\); the previous content is kept$"):
+        write_atomic(tmp_path / "entry.bin", full)
+    assert (tmp_path / "entry.bin").read_bytes() == b"kept"
+    with pytest.raises(WriteFailed, match=r"No space left on device \(ENOSPC\)"):
+        write_folder_atomic(tmp_path / "folder", full, replace=False)
+    assert not (tmp_path / "folder").exists()
+    with pytest.raises(ValueError, match="not a disk"):  # other errors pass as they are
+        write_atomic(tmp_path / "other.bin", lambda tmp: (_ for _ in ()).throw(ValueError("not a disk")))

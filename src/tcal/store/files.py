@@ -156,8 +156,9 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
         os.replace(tmp, path)
     except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError) and not isinstance(err, WriteFailed) and err.errno is not None:
-            raise write_failure(path, err) from None
+        refused = os_error_of(err)
+        if refused is not None and not isinstance(err, WriteFailed):
+            raise write_failure(path, refused) from None
         raise
     return path
 
@@ -302,7 +303,21 @@ def write_folder_atomic(folder: str | Path, write: Callable[[Path], None], repla
             os.replace(tmp, folder)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError) and not isinstance(err, WriteFailed) and err.errno is not None:
-            raise write_failure(folder, err) from None
+        refused = os_error_of(err)
+        if refused is not None and not isinstance(err, WriteFailed):
+            raise write_failure(folder, refused) from None
         raise
     return folder
+
+
+def os_error_of(err: BaseException) -> OSError | None:
+    """The filesystem's refusal in `err`: an OSError with its errno, or one that a library's Rust writer reports as
+    its own exception with the OS error in its text (tokenizers, safetensors: "No space left on device (os error
+    28)"); None for anything else."""
+    if isinstance(err, OSError):
+        return err if err.errno is not None else None
+    found = re.search(r"\(os error (\d+)\)", str(err)) if isinstance(err, Exception) else None
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
