@@ -77,8 +77,19 @@ def test_a_wrong_argument_type_names_the_step_and_the_argument(call, match, load
     (lambda t, s, m: api.distill(m, t, s, DistillSettings(batch_size=2, seq_len=32), tokens=64,
                                  trainer=TrainerSettings(devices=0)), r"TrainerSettings.devices=0"),
     (lambda t, s, m: api.initialize(m, t, s, init_settings("naive"), seed=2 ** 64), r"seed=18446744073709551616"),
+    # what the splits cannot hold: the CLI's message naming the key, not a bare ValueError mid-step
+    (lambda t, s, m: api.initialize(m, t, s, init_settings("phase2"), __import__(
+        "tcal.settings", fromlist=["CalibrationSettings"]).CalibrationSettings(batch_size=4000)),
+     r"^calibration.batch_size=4000 windows of calibration.seq_len=256 .* need \d+ tokens, but the calibration "
+     r"split has \d+"),
+    (lambda t, s, m: api.select_layers(t, s, __import__("tcal.settings", fromlist=["ScoredRetentionSettings"])
+                                       .ScoredRetentionSettings(num_windows=4000)),
+     r"^retention.num_windows=4000 windows of retention.seq_len=256 need \d+ tokens"),
+    (lambda t, s, m: api.evaluate(m, t, s, EvalSettings(num_windows=4000)),
+     r"^eval.num_windows=4000 windows of eval.seq_len=512 need \d+ tokens, but the evaluation split has"),
 ], ids=["eval_seq_len", "ruler_lengths", "stage_seq_len", "distill_eval_seq_len", "calibration_seq_len",
-        "retention_ratio", "devices_0", "seed_beyond_64_bits"])
+        "retention_ratio", "devices_0", "seed_beyond_64_bits", "calibration_tokens", "retention_tokens",
+        "eval_tokens"])
 def test_the_library_makes_the_cli_s_checks_against_the_loaded_teacher(call, match, loaded):
     with pytest.raises(ConfigError, match=match):
         call(*loaded)

@@ -37,7 +37,14 @@ import torch
 
 from tcal.context import RunContext
 from tcal.data.documents import Splits, load_splits
-from tcal.preflight import check_budgets, check_fit, check_keep_list, check_ruler_room, check_trainer
+from tcal.preflight import (
+    check_budgets,
+    check_fit,
+    check_keep_list,
+    check_ruler_room,
+    check_split_tokens,
+    check_trainer,
+)
 from tcal.retention import Selection
 from tcal.runtime.distributed import Ranks
 from tcal.runtime.signals import handling
@@ -187,7 +194,9 @@ def select_layers(teacher: Teacher, splits: Splits, retention: RetentionSettings
     if retention.name == "ga_s2" or getattr(retention, "probe", None) == "gdn":
         lengths.append(("calibration.seq_len", settings.calibration.seq_len))
     check_fit(lengths, context_length(teacher))
-    return select(retention, context(teacher, splits, settings, cache_dir, ranks=ranks))
+    ctx = context(teacher, splits, settings, cache_dir, ranks=ranks)
+    check_split_tokens(ctx, ("retention", "init") if "calibration.seq_len" in dict(lengths) else ("retention",))
+    return select(retention, ctx)
 
 
 @step
@@ -212,7 +221,9 @@ def initialize(student: torch.nn.Module, teacher: Teacher, splits: Splits, init:
     settings = step_settings(teacher, init=init, calibration=calibration, seed=seed, data=data, trainer=trainer)
     if settings.calibrates():
         check_fit([("calibration.seq_len", settings.calibration.seq_len)], context_length(teacher))
-    return init_student(student, init, context(teacher, splits, settings, cache_dir, ranks=ranks))
+    ctx = context(teacher, splits, settings, cache_dir, ranks=ranks)
+    check_split_tokens(ctx, ("init",))  # the CLI's message naming the key, not a bare ValueError mid-init
+    return init_student(student, init, ctx)
 
 
 @dataclass
@@ -253,6 +264,7 @@ def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: S
                *settings.eval.lengths()], context_length(teacher))
     progress = progress or StageProgress()
     ctx = context(teacher, splits, settings, cache_dir, run_dir, ranks)
+    check_split_tokens(ctx, ("eval",))  # the stages' curves are measured on these windows
     ctx.extra_callbacks = list(progress.callbacks)
     records = {}
     holding = holding_folder(ctx.run_dir) if ctx.ranks.is_main else contextlib.nullcontext()
@@ -290,6 +302,7 @@ def evaluate(student: torch.nn.Module, teacher: Teacher, splits: Splits, eval: E
     check_trainer(settings.trainer)
     check_fit(settings.eval.lengths(), context_length(teacher))  # the same check as `tcal`'s, on the loaded teacher
     ctx = context(teacher, splits, settings, cache_dir, ranks=ranks)
+    check_split_tokens(ctx, ("eval",))
     check_ruler_room(ctx)
     student.eval()
     return run_evaluation(ctx, student)

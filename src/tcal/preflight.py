@@ -276,31 +276,33 @@ def check_ruler_room(ctx, ruler=None) -> None:
                                   f"{str(err).removeprefix(f'{task} at length {length}: ')}; {fix}") from None
 
 
-def check_split_tokens(ctx) -> None:
+def check_split_tokens(ctx, steps: tuple[str, ...] = ("init", "retention", "eval")) -> None:
     """Each split holds the tokens its windows need: calibration batch (and its held-out check windows),
-    scoring windows, evaluation windows per eval set (a short eval file is named)."""
+    scoring windows, evaluation windows per eval set (a short eval file is named). `steps`: those of the run's
+    steps to check (an API step checks its own)."""
     from tcal.data.documents import eval_sets, token_stream
     from tcal.settings import CalibratedInitSettings, FullPlusSettings
 
     settings = ctx.settings
     needs = []  # (what, tokens needed, documents, where they come from)
     cal = settings.calibration
-    if isinstance(settings.init, CalibratedInitSettings):
+    if "init" in steps and isinstance(settings.init, CalibratedInitSettings):
         windows = 2 * cal.batch_size - 1 if cal.check and cal.batch_size > 1 else cal.batch_size
         needs.append((f"calibration.batch_size={cal.batch_size} windows of calibration.seq_len={cal.seq_len}"
                       + (" (with calibration.check=true, the unseen windows between them too)" if cal.check else ""),
                       windows * cal.seq_len, ctx.splits.calibration, "the calibration split"))
-    if isinstance(settings.init, FullPlusSettings):
+    if "init" in steps and isinstance(settings.init, FullPlusSettings):
         pool = settings.init.pool
         needs.append((f"init.pool.tokens={pool.tokens} (windows of calibration.seq_len={cal.seq_len})",
                       pool.tokens, ctx.splits.calibration, "the calibration split"))
     ret = settings.retention
-    if isinstance(ret, ScoredRetentionSettings) and kept_layers(ret, ctx.num_layers) < ctx.num_layers:
+    if "retention" in steps and isinstance(ret, ScoredRetentionSettings) and \
+            kept_layers(ret, ctx.num_layers) < ctx.num_layers:
         needs.append((f"retention.num_windows={ret.num_windows} windows of retention.seq_len={ret.seq_len}",
                       ret.num_windows * ret.seq_len, ctx.splits.calibration, "the calibration split"))
     files = {Path(p).stem: str(p) for p in settings.data.eval_files}
     ev = settings.eval
-    for name, docs in eval_sets(settings.data, ctx.splits).items():
+    for name, docs in eval_sets(settings.data, ctx.splits).items() if "eval" in steps else ():
         source = f"data.eval_files entry {files[name]!r}" if name in files else "the evaluation split"
         needs.append((f"eval.num_windows={ev.num_windows} windows of eval.seq_len={ev.seq_len}",
                       ev.num_windows * ev.seq_len, docs, source))
