@@ -19,8 +19,10 @@ reduced-precision run (bfloat16 heads, no autocast) accumulates in the head's dt
 Memory policy (per call, besides the caller's hidden states): the float32 head-gradient accumulator [vocab,
 hidden]; under autocast one compute-dtype copy of each head that is not already in that dtype (autocast itself
 would make one per matmul); a few [chunk, vocab] float32 tensors of one chunk; off CUDA, under autocast, one
-[vocab, hidden] compute-dtype product per chunk (freed before the next). A float32 run holds exactly what it held
-before this policy (no copies): its figures are bit-identical.
+[vocab, hidden] compute-dtype product per chunk (freed before the next); once the chunks are done, the
+accumulator's copy in the head's dtype when that differs (FSDP's bfloat16 gathered head), which is what the
+backward returns. A float32 run holds exactly what it held before this policy (no copies): its figures are
+bit-identical.
 """
 
 from __future__ import annotations
