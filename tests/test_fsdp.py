@@ -128,14 +128,22 @@ def test_resume_finds_a_sharded_checkpoint_folder_or_the_one_a_killed_save_moved
 
 def test_stage1_cache_key_tells_precisions_apart():
     """A bf16-mixed Stage 1 is not a float32 one: the cache must not hand one to the other."""
+    from conftest import repo_cache_dir
+
+    from tcal.data.documents import load_splits
+    from tcal.teachers.load import load_tokenizer
+
     teacher = make_teacher("llama", seed=3)
     student = build_student(teacher, [0, 2], seed=0)
-    plan = SimpleNamespace(cfg=compose("stage=align").stage, data=SimpleNamespace(windows=torch.zeros(2, 8).long(),
+    plan = SimpleNamespace(cfg=compose("stage=align").stage, data=SimpleNamespace(windows_key="the same windows",
                                                                                 retrieval_mix=0.0))
+    tokenizer = load_tokenizer(compose("teacher=tiny_llama").teacher, repo_cache_dir())
+    splits = load_splits(compose().data)
 
     def key(precision):
         settings = compose("stage=align", f"trainer.precision={precision}")
-        return stage1_key(SimpleNamespace(teacher=teacher, settings=settings), student, plan)
+        return stage1_key(SimpleNamespace(teacher=teacher, settings=settings, tokenizer=tokenizer, splits=splits),
+                          student, plan)
 
     assert len({key("32-true"), key("bf16-mixed"), key("bf16-true")}) == 3
     assert key("32-true") == key("32-true")

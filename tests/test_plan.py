@@ -119,7 +119,8 @@ def test_group_sweeps_expand_as_hydra_reads_them():
     assert expand_sweeps(["init=naive,full", "retention.ratio=0.5", "+stage=choice(align,distill)"]) == [
         [f"init={init}", "retention.ratio=0.5", f"+stage={stage}"] for init in ("naive", "full")
         for stage in ("align", "distill")]
-    assert expand_sweeps(["init=[naive,full]", "retention=glob(*)"]) == [["init=[naive,full]"]]
+    assert expand_sweeps(["init=[naive,full]", "retention=glob(*,exclude=explicit)"]) == [
+        ["init=[naive,full]", f"retention={name}"] for name in ("ar", "ga_s2", "recall", "uniform")]
 
 
 def test_a_sweep_files_jobs_expand_and_the_command_line_sets_its_keys():
