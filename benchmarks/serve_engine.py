@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-REPEATS = 2
+REPEATS = 3
 
 
 def timed(llm, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
