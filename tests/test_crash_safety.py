@@ -25,8 +25,9 @@ from tcal.pipeline import run
 from tcal.store.cache import get_or_build, load_json, load_tensors, save_json, save_tensors
 from tcal.store.files import write_folder_atomic
 
-# the kinds of cache entry, each in its folder under paths.cache_dir
-KINDS = ("calibration", "retention", "teacher_eval", "tokens", "stage1")
+# the kinds of cache entry, each in its folder under paths.cache_dir (the token store's damaged shards are prepared
+# again: tests/test_token_store.py)
+KINDS = ("calibration", "retention", "teacher_eval", "stage1")
 
 
 def entries(cache: Path) -> dict[str, list[Path]]:
@@ -50,8 +51,8 @@ def readable(path: Path) -> bool:
 
 
 def every_cache_cfg(cache: str):
-    """A smoke run that fills all five caches: AR scores, calibration artifacts, teacher perplexity, the token
-    stream and the Stage 1 result."""
+    """A smoke run that fills the four caches of entries: AR scores, calibration artifacts, teacher perplexity and
+    the Stage 1 result."""
     return compose("experiment=smoke", f"paths.cache_dir={cache}", "init=full", "retention=ar", "retention.seq_len=32",
                    "retention.num_windows=2", "retention.batch_size=2", "eval.num_windows=2", "stage=align",
                    "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=128", "stage.eval_every_tokens=128",

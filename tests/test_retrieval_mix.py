@@ -99,10 +99,14 @@ def test_the_mix_keys_the_stage1_cache(train_docs, tokenizer):
         config = SimpleNamespace(keep_layers=[0], gdn_layers=[])
 
     from conftest import make_teacher
+
+    from tcal.data.documents import load_splits
     teacher = make_teacher("llama")
+    splits = load_splits(compose().data)
     keys = []
     for mix in (0.0, 0.25, 0.5):
-        ctx = SimpleNamespace(teacher=teacher, settings=compose("stage=align", f"data.retrieval_mix={mix}"))
+        ctx = SimpleNamespace(teacher=teacher, settings=compose("stage=align", f"data.retrieval_mix={mix}"),
+                              tokenizer=tokenizer, splits=splits)
         plan = SimpleNamespace(cfg=ctx.settings.stage, data=module(train_docs, tokenizer, mix=mix))
         keys.append(stage1_key(ctx, Student(), plan))
     assert len(set(keys)) == 3

@@ -19,7 +19,7 @@ from tcal.runtime.progress import progress
 NLL_CHUNK_ROWS = 1024
 
 
-def _chunked_head(model) -> bool:
+def chunked_head(model) -> bool:
     """Whether logits are a plain linear head on the decoder's output (true of every supported family)."""
     return (hasattr(model, "get_decoder") and model.get_output_embeddings() is not None
             and not getattr(model.config, "final_logit_softcapping", None))
@@ -32,7 +32,7 @@ def token_nll(model, batch: torch.Tensor) -> torch.Tensor:
     device = next(model.parameters()).device
     batch = batch.to(device)
     targets = batch[:, 1:]
-    if not _chunked_head(model):
+    if not chunked_head(model):
         logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
         return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     hidden = model.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state[:, :-1]

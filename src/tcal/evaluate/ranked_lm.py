@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 
-from tcal.evaluate.perplexity import _chunked_head
+from tcal.evaluate.perplexity import chunked_head
 from tcal.runtime.distributed import Ranks
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class RankedHFLM(HFLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """lm-eval's loop, with the logits bounded by one request's continuation (see `_model_call`)."""
-        chunked = self.backend == "causal" and _chunked_head(self.model)
+        chunked = self.backend == "causal" and chunked_head(self.model)
         if not chunked:
             log.info("harness: %s has no plain output head on its decoder; lm-eval's full-batch logits are used",
                      type(self.model).__name__)
