@@ -129,3 +129,15 @@ def isolated_cache_dir(folder: Path) -> str:
 def compose_cfg():
     """`compose_cfg("experiment=smoke", "paths.cache_dir=...")` -> the run's settings."""
     return compose
+
+
+@pytest.fixture
+def one_rank_group():
+    """Lightning's strategy joins a one-process gloo group and sets LOCAL_RANK, NODE_RANK and MASTER_* in the
+    environment (a later `trainer=ddp` subprocess would take itself for an externally launched rank): both undone."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

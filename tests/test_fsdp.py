@@ -35,17 +35,6 @@ from tcal.training.stages import AlignStage, DistillStage
 STEPS = 3
 
 
-@pytest.fixture
-def one_rank_group():
-    """Lightning's strategy joins a one-process gloo group and sets LOCAL_RANK, NODE_RANK and MASTER_* in the
-    environment (a later `trainer=ddp` subprocess would take itself for an externally launched rank): both undone."""
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
 
 def train(kind: str, sharded: bool, precision: str = "32-true", *overrides: str):
     """(losses per step, clipped norms, the module, the trained student as a plain module) after a token-0

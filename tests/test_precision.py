@@ -274,17 +274,6 @@ def sharded_dtypes(precision: str):
     return set(gathered), {p.dtype for p in student.parameters()}
 
 
-@pytest.fixture
-def one_rank_group():
-    import os
-
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
 
 @pytest.mark.parametrize("precision,gathered", [("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)])
 def test_fsdp_gathers_parameters_in_bfloat16_only_under_bf16_mixed(precision, gathered, one_rank_group):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import weakref
 
 import lightning as L
@@ -103,16 +102,6 @@ def test_a_finished_stage_s_optimizer_and_module_are_freed_without_garbage_colle
     assert alive == {"align": [], "distill": []}
     assert at_gather == {"align": ([], []), "distill": ([], [])}  # freed before each stage-end gather
 
-
-@pytest.fixture
-def one_rank_group():
-    """The one-process gloo group and environment a one-rank ShardedStrategy leaves: undone afterwards."""
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def test_a_sharded_stage_frees_its_optimizer_shards_and_module_too(tiny, tmp_path, monkeypatch, one_rank_group):
