@@ -70,8 +70,10 @@ def load_without_tcal(folder: Path, prompts) -> dict:
     """Logits and greedy tokens of `folder` loaded by transformers in the venv without tcal."""
     assert HF_PYTHON.is_file(), f"{HF_PYTHON} missing: `make serve-check` builds it"
     request = json.dumps({"model": str(folder), "prompts": prompts, "tokens": GREEDY_TOKENS})
+    # one thread, as this process computes the student's logits: float32 sums in another order differ by ~1e-4
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     done = subprocess.run([str(HF_PYTHON), "-c", HF_LOAD], input=request, capture_output=True, text=True,
-                          timeout=ENGINE_TIMEOUT_S, check=False, cwd=folder.parent)
+                          timeout=ENGINE_TIMEOUT_S, check=False, cwd=folder.parent, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
