@@ -14,7 +14,7 @@ from conftest import compose
 
 import tcal.settings as settings_package
 from tcal.settings.fields import PRODUCTS, Settings, relevance, setting
-from tcal.settings.relevance import KEYED_BY, cache_settings, differences, leaves, levels, with_fields
+from tcal.settings.relevance import KEYED_BY, cache_settings, differences, leaves, levels, with_values
 from tcal.store.fingerprint import digest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tcal"
@@ -111,10 +111,11 @@ def test_resume_safety_and_report_variants_follow_the_declarations():
     assert kinds["eval.seq_len"] == kinds["data.eval_files"] == kinds["eval.harness.limit"] == "eval"
     safe = perturbed(settings, "paths.cache_dir")
     assert differences(settings, safe) == []
-    assert with_fields(settings, safe).paths.cache_dir == safe.paths.cache_dir
+    unchanging = {key for key, level in levels(settings).items() if level == "none"}
+    assert with_values(settings, safe, unchanging).paths.cache_dir == safe.paths.cache_dir
     unsafe = perturbed(settings, "stage.lr_mixer")
     assert [key for key, _, _ in differences(settings, unsafe)] == ["stage.lr_mixer"]
-    assert with_fields(settings, unsafe).stage.lr_mixer == settings.stage.lr_mixer  # a result field is kept
+    assert with_values(settings, unsafe, unchanging).stage.lr_mixer == settings.stage.lr_mixer  # a result field is kept
 
     from tcal.tools.figures import reported_keys
 

@@ -208,8 +208,9 @@ def rank_error(rank: int, code: int, reported: dict | None) -> Exception:
 
     if reported is not None and reported.get("signum") is not None:
         return Interrupted(reported["signum"])
-    if reported is None and interrupting_signal(code, None, rank) is not None:
-        return Interrupted(interrupting_signal(code, None, rank))
+    signum = interrupting_signal(code, None, rank) if reported is None else None
+    if signum is not None:
+        return Interrupted(signum)
     if reported is not None:
         kind = getattr(errors, reported["type"], None)
         if isinstance(kind, type) and issubclass(kind, (errors.ConfigError, errors.Divergence)):

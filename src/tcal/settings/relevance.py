@@ -63,13 +63,6 @@ def differences(old, new, counted: Iterable[str] = ("result", "eval")) -> list[t
             if kinds[key] in counted and before.get(key, (None,))[0] != after.get(key, (None,))[0]]
 
 
-def with_fields(settings, source, level: str = "none"):
-    """`settings` with the values of `source` for every field of `level` (by default: the fields that change
-    nothing), nested settings replaced where they hold such fields."""
-    keys = {key for key, (_, changes) in leaves(settings).items() if relevance(changes) == level}
-    return with_values(settings, source, keys)
-
-
 def with_values(settings, source, keys: Iterable[str]):
     """`settings` with the values `source` holds for the dotted `keys` (those either object lacks are skipped),
     every other field as it is: what a resumed run takes of the command that continues it."""

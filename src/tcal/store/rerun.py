@@ -137,14 +137,18 @@ def holding_folder(run_dir: Path):
     lock = Path(run_dir) / RUN_LOCK
     with locked(lock, wait=False, remove=True) as held:
         if not held:
-            raise FolderHeld(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one "
-                              f"run per folder: wait for it to end or stop it, or pass another hydra.run.dir / "
-                              f"hydra.sweep.dir")
+            raise held_by_live_run(run_dir, lock)
         _held.add(key)
         try:
             yield
         finally:
             _held.discard(key)
+
+
+def held_by_live_run(run_dir: Path, lock: Path) -> FolderHeld:
+    """The refusal of a folder whose lock a live run holds, naming the holder."""
+    return FolderHeld(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one run per "
+                      f"folder: wait for it to end or stop it, or pass another hydra.run.dir / hydra.sweep.dir")
 
 
 def check_not_held(run_dir: Path) -> None:
@@ -155,9 +159,7 @@ def check_not_held(run_dir: Path) -> None:
         return
     with locked(lock, wait=False, remove=True) as held:
         if not held:
-            raise FolderHeld(f"{run_dir} is in use by a live run: {describe_holder(holder_of(lock))}; expected one "
-                              f"run per folder: wait for it to end or stop it, or pass another hydra.run.dir / "
-                              f"hydra.sweep.dir")
+            raise held_by_live_run(run_dir, lock)
 
 
 def check_student_saved(run_dir: Path, record: dict | None, settings: RunSettings) -> None:
