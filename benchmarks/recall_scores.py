@@ -1,8 +1,9 @@
 """The `recall` policy's probe on the default teacher (SmolLM2-135M) for several probe seeds: per seed and ratio the
-keep list, the converted layers, the ranks of layers 7 and 18 in the score and the scoring seconds; then, per ratio,
-how many layers the keep lists of two seeds differ by (the stability the policy promises: at most one).
+keep list, the converted layers, the layers the rule scores (above the probe's noise) with their score and standard
+error, the ranks of layers 7, 16 and 18 and the scoring seconds; then, per ratio, how many layers the keep lists of
+two seeds differ by (the stability the policy promises: at most one).
 
-    OMP_NUM_THREADS=1 python benchmarks/recall_scores.py --seeds 0,1,2 [--ratios 0.5,0.75] [retention overrides]
+    OMP_NUM_THREADS=1 python benchmarks/recall_scores.py --seeds 0,1,2 [--ratios 0.25,0.5,0.75] [retention overrides]
 
 Scores are cached under the cache folder ($TCAL_CACHE_DIR or .cache/tcal), keyed like a run's: a seed already
 scored by a `tcal retention=recall` run (or by this script) is read back, with the seconds its scoring took.
@@ -18,7 +19,7 @@ import json
 from tcal import api
 from tcal.settings import RecallRetentionSettings
 
-WATCHED = (7, 18)  # the layers whose replacement removes SmolLM2's retrieval (docs/results.md, "Long context")
+WATCHED = (7, 16, 18)  # the layers whose replacement removes SmolLM2's retrieval (docs/results.md, "Long context")
 
 
 def setting(text: str):
@@ -34,7 +35,7 @@ def setting(text: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--ratios", default="0.5,0.75")
+    parser.add_argument("--ratios", default="0.25,0.5,0.75")
     parser.add_argument("overrides", nargs="*", type=setting)
     args = parser.parse_args()
     teacher, splits = api.load_teacher(), api.load_data()
@@ -48,7 +49,9 @@ def main() -> None:
             keeps.setdefault(ratio, {})[seed] = selection.keep_layers
             print(json.dumps({"seed": seed, "ratio": ratio, "keep": selection.keep_layers,
                               "converted": [i for i in range(layers) if i not in selection.keep_layers],
-                              "chosen_by_score": details["scored_layers"],
+                              "chosen_by_score": details["scored_layers"], "rule": details["rule"],
+                              "above_noise": {i: [round(selection.scores[i], 3), round(details["se"][str(i)], 3)]
+                                              for i in details["above_noise"]},
                               **{f"rank_{i}": details["rank"][str(i)] for i in WATCHED},
                               "scoring_seconds": details["seconds"], "probe_tokens": details["tokens"],
                               "scores": {i: round(v, 4) for i, v in selection.scores.items()}}), flush=True)

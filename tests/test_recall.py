@@ -21,7 +21,18 @@ from tcal.data.needles import ANSWER, NEEDLE, QUESTION, TEXT, RetrievalSequences
 from tcal.errors import ConfigError
 from tcal.pipeline import RunContext
 from tcal.retention import select_layers
-from tcal.retention.recall import keep_list, probe_sequences, uniform_fill
+from tcal.retention.ar import attention_bypassed
+from tcal.retention.recall import (
+    above_noise,
+    chosen_by_score,
+    earlier_layers_replayed,
+    keep_list,
+    layer_outputs_recorded,
+    probe_sequences,
+    recall_scores,
+    sequence_losses,
+    uniform_fill,
+)
 from tcal.retention.uniform import uniform_layers
 from tcal.teachers.load import load_tokenizer
 
@@ -251,11 +262,76 @@ def test_uniform_fill_keeps_the_chosen_layers_and_k_in_all(chosen):
 
 def test_keep_list_by_score_then_by_text_rise():
     scores = {0: -1.0, 1: -0.5, 2: 3.0, 3: 0.2, 4: 2.0, 5: 0.1}
+    se = {i: 0.1 for i in scores}
     text = {0: 2.0, 1: 1.5, 2: 0.0, 3: 0.01, 4: 0.02, 5: 0.03}
-    assert keep_list(scores, text, 3, None, "text", 6) == ([2, 3, 4], [2, 3, 4])
-    assert keep_list(scores, text, 3, 1, "text", 6) == ([0, 1, 2], [2])
-    assert keep_list(scores, text, 3, 0, "text", 6) == ([0, 1, 5], [])
-    assert keep_list(scores, text, 3, 1, "uniform", 6)[0] == uniform_fill([2], 3, 6)
+    assert chosen_by_score(scores, se, 3, None, 3.0) == [2, 4]  # 0.2 - 3 x 0.1 is not above 0
+    assert keep_list([2, 4], text, 3, "text", 6) == [0, 2, 4]
+    assert chosen_by_score(scores, se, 3, 3, 3.0) == [2, 4, 3]  # an override ranks, whatever the noise
+    assert chosen_by_score(scores, se, 1, None, 3.0) == [2]  # at most K
+    assert keep_list([2], text, 3, "text", 6) == [0, 1, 2]
+    assert keep_list([], text, 3, "text", 6) == [0, 1, 5]
+    assert keep_list([2], text, 3, "uniform", 6) == uniform_fill([2], 3, 6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the rule: the layers above the probe's noise
+
+
+def test_the_rule_chooses_the_copying_layer_alone(make_ctx, tokenizer):
+    """K = 2 of 4: the rule scores the layer built to copy and no other; the second kept layer comes from the fill."""
+    model = copying_teacher(2, tokenizer)
+    ctx = make_ctx(model, "retention.ratio=0.5", "retention.cache=false")
+    selection = select_layers(ctx.settings.retention, ctx)
+    d = selection.details
+    assert d["scored_layers"] == d["above_noise"] == [2] and d["rule"] == "score - 3.0 * se > 0"
+    assert 2 in selection.keep_layers and len(selection.keep_layers) == 2
+    assert d["sequences"] == 4 and all(d["se"][str(i)] > 0 for i in range(L))
+    for i in range(L):
+        assert (selection.scores[i] - 3.0 * d["se"][str(i)] > 0) == (i == 2)
+
+
+def test_the_rule_on_a_teacher_without_a_copying_layer_scores_none_and_is_deterministic(make_ctx, tokenizer):
+    """Small random layers: no layer's rise stands out of the spread over the sequences; the same probe seed gives
+    the same figures and keep list twice."""
+    model = make_teacher("llama", vocab_size=VOCAB)
+    runs = [select_layers(c.settings.retention, c)
+            for c in (make_ctx(model, "retention.ratio=0.5", "retention.cache=false") for _ in range(2))]
+    assert runs[0].details["scored_layers"] == []
+    assert runs[0].details == {**runs[1].details, "seconds": runs[0].details["seconds"]}
+    assert runs[0].keep_layers == runs[1].keep_layers
+
+
+@pytest.mark.parametrize("rises, z, chosen", [
+    ([2.0, -1.0, 2.0, -1.0], 3.0, False),  # the highest mean (0.5), but inside its spread
+    ([2.0, -1.0, 2.0, -1.0], 0.0, True),  # noise_z = 0: any positive mean
+    ([0.30, 0.32, 0.28, 0.31], 3.0, True),  # small, but the same in every sequence
+    ([0.0, 0.0, 0.0, 0.0], 3.0, False),  # exactly 0 is not above 0
+])
+def test_a_layer_inside_the_noise_is_never_scored(rises, z, chosen):
+    """The rule reads the spread of the layer's own per-sequence rises, not the other layers' scores."""
+    base = [[1.0, 3.0]] * 4
+    losses = {"base": base, "layers": {"0": [[1.0 + r, 3.0] for r in rises], "1": [[1.1, 3.0]] * 4}}
+    figures = recall_scores(losses)
+    assert (0 in above_noise(figures["score"], figures["se"], z)) == chosen
+    assert 1 in above_noise(figures["score"], figures["se"], z)  # 0.1 in every sequence: no spread, above 0
+
+
+@pytest.mark.parametrize("layer", [0, 1, 3])
+def test_replaying_the_earlier_layers_gives_the_losses_of_a_full_forward(layer, tokenizer, make_ctx):
+    """The probe's saving: layers before the changed one return the base forward's outputs instead of computing;
+    the losses equal a forward that computes every layer."""
+    model = copying_teacher(1, tokenizer)
+    ctx = make_ctx(model)
+    ids, labels = probe_sequences(ctx.settings.retention, ctx)
+    with layer_outputs_recorded(model) as outputs:
+        base = sequence_losses(model, ids, labels)
+    assert len(outputs) == L and base == sequence_losses(model, ids, labels)
+    with attention_bypassed(model, layer):
+        full = sequence_losses(model, ids, labels)
+        with earlier_layers_replayed(model, outputs, layer):
+            replayed = sequence_losses(model, ids, labels)
+    assert replayed == full and full != base
+    assert all(type(m).__name__ == "LlamaDecoderLayer" for m in model.model.layers)  # restored
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -265,12 +341,14 @@ def test_keep_list_by_score_then_by_text_rise():
 @pytest.mark.parametrize("overrides, match", [
     (["retention.probe=attention"], r"^retention.probe='attention'; expected one of bypass, gdn$"),
     (["retention.fill=random"], r"^retention.fill='random'; expected one of text, uniform$"),
-    (["retention.scored=-1"], r"^retention.scored=-1; expected null \(every kept layer chosen by the score\)"),
+    (["retention.scored=-1"], r"^retention.scored=-1; expected null \(the layers above the probe's noise\)"),
     (["retention.scored=3", "retention.ratio=0.5"], r"^retention.scored=3 is more than the 2 layers "
                                                     r"retention.ratio=0.5 keeps of 4$"),
     (["retention.num_prompts=0"], r"^retention.num_prompts=0; expected a positive integer$"),
     (["retention.seq_len=64"], r"^retention.seq_len=64; expected an integer >= 128"),
     (["retention.probe_seed=-2"], r"^retention.probe_seed=-2; expected an integer >= 0$"),
+    (["retention.noise_z=-1"], r"^retention.noise_z=-1.0; expected a number >= 0"),
+    (["retention.num_prompts=1"], r"^retention.num_prompts=1; expected at least 2 with scored=null"),
     (["retention.seq_len=8192"], r"^retention.seq_len=8192 is beyond the teacher's context of 4096 tokens$"),
 ])
 def test_bad_recall_setting_fails_before_work_on_one_line(overrides, match, compose_cfg, tmp_path):

@@ -3,36 +3,46 @@
 A perplexity score is blind to retrieval: on ordinary text few tokens need an exact copy from far back, so the
 layers that do the copying cost little perplexity when they go. This policy probes retrieval directly. On
 `num_prompts` synthetic sequences cut from the calibration split (`tcal.data.needles`: key-value statements hidden in
-the split's text, then one key asked back), teacher-forced, it measures for every layer i, in one forward:
+the split's text, then one key asked back), teacher-forced, it measures for every layer i and sequence p:
 
-    A_i = mean NLL of the answer tokens (the asked value)    T_i = mean NLL of the ordinary text tokens
+    A_ip = mean NLL of p's answer tokens (the asked value)    T_ip = mean NLL of p's ordinary text tokens
 
 with layer i's attention bypassed (`probe=bypass`: output 0, residual and MLP kept, as AR does) or replaced by
 its initialized GDN (`probe=gdn`: the run's init mode; every layer is initialized once, as for GA-S2), and once
-with nothing changed (A_0, T_0). Layer i's score is
+with nothing changed (A_0p, T_0p). Per sequence and over the P sequences:
 
-    recall_i = (A_i - A_0) - (T_i - T_0)
+    s_ip = (A_ip - A_0p) - (T_ip - T_0p)      recall_i = mean_p s_ip      se_i = std_p(s_ip) / sqrt(P)
 
 the rise in the answer's loss beyond the rise on the text of the same forward, so a layer indispensable everywhere
-(layers 0 and 1 of SmolLM2) does not pass for a retriever. `T_i - T_0` is an AR-like score from the same forward.
+(layers 0 and 1 of SmolLM2) does not pass for a retriever. `mean_p (T_ip - T_0p)` is an AR-like score.
 
-Of the K = round(ratio * L) kept layers, `scored` (all K when null) are the highest `recall` scores; the rest are
-placed by `fill`: `text`, the highest text-loss rises among the others (what AR would keep), or `uniform`, the
-uniform policy's layers with each scored layer taking the place of its nearest uniform slot.
+Which layers the score chooses (`scored=null`, the rule): those whose score stands above the probe's own noise,
 
-Cost: (L + 1) teacher forwards over num_prompts x seq_len tokens (31 x 8 x 256 = 63k tokens for SmolLM2 by
-default, as many as AR reads). The scores are cached like AR's (`tcal.retention.cache`); `probe=gdn` adds the init, the calibration and
-the seed to the key. The details (both rises per layer, the scored layers, the probe's size and its seconds) go to
-results.json `retention_details`.
+    recall_i - noise_z * se_i > 0
+
+at most K of them, highest first. The standard error comes from the spread over the probe's sequences, so a layer
+whose rise depends on which needles were drawn is not scored, and a retriever is scored however large the other
+layers' scores are. `scored=N` overrides the rule with the N highest scores. The other kept layers are placed by
+`fill`: `text`, the highest text-loss rises among the others (what AR would keep), or `uniform`, the uniform
+policy's layers with each scored layer taking the place of its nearest uniform slot.
+
+Cost: L + 1 teacher forwards over num_prompts x seq_len tokens, of which the probe computes about half: a forward
+with layer i changed replays the base forward's outputs of layers 0..i-1 instead of computing them again
+(`earlier_layers_replayed`: their inputs are unchanged, so the figures are the same). The losses are cached like AR's
+scores (`tcal.retention.cache`; `probe=gdn` adds the init, the calibration and the seed to the key) and serve
+every ratio, `scored`, `fill` and `noise_z`. The details (both rises and the standard error per layer, the rule's
+figures, the scored layers, the probe's size and its seconds) go to results.json `retention_details`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 
 from tcal.data.needles import ANSWER, TEXT, probe_batch
 from tcal.evaluate.perplexity import token_nll
@@ -49,7 +59,6 @@ from tcal.teachers import adapter_for
 log = logging.getLogger(__name__)
 
 
-
 def probe_sequences(cfg, ctx) -> tuple[torch.Tensor, torch.Tensor]:
     """([num_prompts, seq_len] ids, labels) cut from the calibration split, drawn from `probe_seed`."""
     return probe_batch(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_prompts),
@@ -57,20 +66,56 @@ def probe_sequences(cfg, ctx) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def answer_and_text_nll(model, ids: torch.Tensor, labels: torch.Tensor, batch_size: int) -> tuple[float, float]:
-    """(mean NLL of the ANSWER tokens, mean NLL of the TEXT tokens) of `model` on the sequences, teacher-forced
+def sequence_losses(model, ids: torch.Tensor, labels: torch.Tensor) -> list[list[float]]:
+    """[[mean NLL of the ANSWER tokens, mean NLL of the TEXT tokens] per sequence] of `model`, teacher-forced
     (float64 sums; a token counts when it is predicted, i.e. from position 1 on)."""
-    sums = torch.zeros(2, dtype=torch.float64)
-    counts = torch.zeros(2, dtype=torch.float64)
-    for start in range(0, ids.shape[0], batch_size):
-        nll = token_nll(model, ids[start:start + batch_size]).double().cpu()
-        target = labels[start:start + batch_size, 1:]
-        for j, label in enumerate((ANSWER, TEXT)):
-            mask = target == label
-            sums[j] += nll[mask].sum()
-            counts[j] += mask.sum()
-    answer, text = (sums / counts).tolist()
-    return answer, text
+    nll = token_nll(model, ids).double().cpu()
+    target = labels[:, 1:]
+    rows = []
+    for row, lab in zip(nll, target):
+        rows.append([float(row[lab == label].mean()) for label in (ANSWER, TEXT)])
+    return rows
+
+
+class Replay(nn.Module):
+    """A decoder layer's place holder that returns what the layer returned in the base forward."""
+
+    def __init__(self, output, attention_type):
+        super().__init__()
+        self.output = output
+        if attention_type is not None:
+            self.attention_type = attention_type
+
+    def forward(self, *args, **kwargs):
+        return self.output
+
+
+@contextmanager
+def layer_outputs_recorded(teacher):
+    """Within the block, the outputs of the decoder layers are appended, in order, to the yielded list."""
+    outputs: list = []
+    layers = adapter_for(teacher.config).decoder_layers(teacher)
+    handles = [layer.register_forward_hook(lambda module, args, output: outputs.append(output)) for layer in layers]
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def earlier_layers_replayed(teacher, outputs: list, layer: int):
+    """Within the block, decoder layers 0..layer-1 return their `outputs` of the base forward without computing:
+    layer `layer` and the ones after it see exactly the input they would see after computing them."""
+    layers = adapter_for(teacher.config).decoder_layers(teacher)
+    originals = [layers[j] for j in range(layer)]
+    try:
+        for j in range(layer):
+            layers[j] = Replay(outputs[j], getattr(originals[j], "attention_type", None))
+        yield teacher
+    finally:
+        for j, original in enumerate(originals):
+            layers[j] = original
 
 
 @contextmanager
@@ -90,23 +135,47 @@ def attention_replaced(teacher, layer: int, gdn):
 
 
 def probe_losses(teacher, ids, labels, batch_size: int, ranks, gdns: dict | None = None, desc: str = "") -> dict:
-    """{"base": [A_0, T_0], "layers": {i: [A_i, T_i]}}: each rank probes its share of the layers, every rank
-    gets all."""
-    base = answer_and_text_nll(teacher, ids, labels, batch_size)
-    mine = {}
-    for i in progress(ranks.share(range(teacher.config.num_hidden_layers)), desc=desc, unit="layer"):
-        changed = attention_bypassed(teacher, i) if gdns is None else attention_replaced(teacher, i, gdns[i])
-        with changed:
-            mine[i] = list(answer_and_text_nll(teacher, ids, labels, batch_size))
-    return {"base": list(base), "layers": ranks.merge(mine)}
+    """{"base": [[A_0p, T_0p] per sequence], "layers": {i: [[A_ip, T_ip] per sequence]}}: each rank probes its
+    share of the layers, every rank gets all."""
+    num_layers = teacher.config.num_hidden_layers
+    mine_layers = list(ranks.share(range(num_layers)))
+    base: list = []
+    mine: dict[int, list] = {i: [] for i in mine_layers}
+    starts = range(0, ids.shape[0], batch_size)
+    with progress(total=len(starts) * len(mine_layers), desc=desc, unit="layer-batch") as bar:
+        for start in starts:
+            batch, batch_labels = ids[start:start + batch_size], labels[start:start + batch_size]
+            with layer_outputs_recorded(teacher) as outputs:
+                base += sequence_losses(teacher, batch, batch_labels)
+            for i in mine_layers:
+                changed = attention_bypassed(teacher, i) if gdns is None else attention_replaced(teacher, i, gdns[i])
+                with changed, earlier_layers_replayed(teacher, outputs, i):
+                    mine[i] += sequence_losses(teacher, batch, batch_labels)
+                bar.update(1)
+            del outputs
+    return {"base": base, "layers": ranks.merge(mine)}
 
 
-def recall_scores(losses: dict) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-    """(recall score, answer-loss rise, text-loss rise) per layer from `probe_losses`' result."""
-    base_answer, base_text = losses["base"]
-    answer = {int(i): a - base_answer for i, (a, _) in losses["layers"].items()}
-    text = {int(i): t - base_text for i, (_, t) in losses["layers"].items()}
-    return {i: answer[i] - text[i] for i in answer}, answer, text
+def recall_scores(losses: dict) -> dict[str, dict[int, float]]:
+    """Per layer, from `probe_losses`' result: `score` (recall_i), `se` (its standard error over the sequences),
+    `answer_rise` and `text_rise` (means over the sequences)."""
+    base = torch.tensor(losses["base"], dtype=torch.float64)
+    figures: dict[str, dict[int, float]] = {"score": {}, "se": {}, "answer_rise": {}, "text_rise": {}}
+    for i, rows in losses["layers"].items():
+        rise = torch.tensor(rows, dtype=torch.float64) - base
+        per_sequence = rise[:, 0] - rise[:, 1]
+        n = per_sequence.numel()
+        figures["score"][int(i)] = float(per_sequence.mean())
+        figures["se"][int(i)] = float(per_sequence.std(correction=1)) / math.sqrt(n) if n > 1 else math.inf
+        figures["answer_rise"][int(i)] = float(rise[:, 0].mean())
+        figures["text_rise"][int(i)] = float(rise[:, 1].mean())
+    return figures
+
+
+def above_noise(scores: dict[int, float], se: dict[int, float], noise_z: float) -> list[int]:
+    """The layers whose score stands above the probe's noise, score - noise_z * se > 0, highest score first
+    (ties: lower index)."""
+    return sorted((i for i in scores if scores[i] - noise_z * se[i] > 0), key=lambda i: (-scores[i], i))
 
 
 def uniform_fill(chosen: list[int], k: int, num_layers: int) -> list[int]:
@@ -127,24 +196,30 @@ def uniform_fill(chosen: list[int], k: int, num_layers: int) -> list[int]:
     return sorted(keep)
 
 
-def keep_list(scores: dict[int, float], text_rise: dict[int, float], k: int, scored: int | None, fill: str,
-              num_layers: int) -> tuple[list[int], list[int]]:
-    """(the keep list, its layers chosen by the recall score)."""
-    s = k if scored is None else min(int(scored), k)
-    by_recall = sorted(scores, key=lambda i: (-scores[i], i))[:s]
+def chosen_by_score(scores: dict[int, float], se: dict[int, float], k: int, scored: int | None,
+                    noise_z: float) -> list[int]:
+    """The kept layers the recall score chooses: the rule's (`scored=None`: above the noise, at most k) or the
+    `scored` highest."""
+    if scored is None:
+        return above_noise(scores, se, noise_z)[:k]
+    return sorted(scores, key=lambda i: (-scores[i], i))[:min(int(scored), k)]
+
+
+def keep_list(chosen: list[int], text_rise: dict[int, float], k: int, fill: str, num_layers: int) -> list[int]:
+    """The k kept layers: `chosen` (by the recall score) and the rest placed by `fill`."""
     if fill == "text":
-        others = {i: v for i, v in text_rise.items() if i not in by_recall}
-        keep = sorted(by_recall + top_k(others, k - s, highest=True)) if k > s else sorted(by_recall)
-    elif fill == "uniform":
-        keep = uniform_fill(by_recall, k, num_layers)
-    else:
-        raise ValueError(f"retention.fill={fill!r}; expected one of {', '.join(FILLS)}")
-    return keep, sorted(by_recall)
+        others = {i: v for i, v in text_rise.items() if i not in chosen}
+        return sorted(list(chosen) + top_k(others, k - len(chosen), highest=True)) if k > len(chosen) \
+            else sorted(chosen)
+    if fill == "uniform":
+        return uniform_fill(list(chosen), k, num_layers)
+    raise ValueError(f"retention.fill={fill!r}; expected one of {', '.join(FILLS)}")
 
 
 @POLICIES.register("recall")
 def recall(cfg, ctx) -> Selection:
-    """Keep the layers whose removal costs the teacher's retrieval most beyond its cost on ordinary text."""
+    """Keep the layers whose removal costs the teacher's retrieval beyond the probe's noise and its cost on
+    ordinary text, then fill the rest."""
     num_layers = ctx.num_layers
     k = num_kept(cfg.ratio, num_layers)
     if cfg.probe not in PROBES:
@@ -170,17 +245,26 @@ def recall(cfg, ctx) -> Selection:
 
     codec = json_codec(lambda value: {"key": key, "parts": parts, "value": value}, lambda record: record["value"])
     folder = score_folder(cfg, ctx)
-    probe = get_or_build("retention", f"recall-{key}", compute, folder=folder, codec=codec, ranks=ctx.ranks)
-    scores, answer_rise, text_rise = recall_scores(probe["losses"])
-    keep, by_recall = keep_list(scores, text_rise, k, cfg.scored, cfg.fill, num_layers)
+    probe = get_or_build("retention", f"recall-by-sequence-{key}", compute, folder=folder, codec=codec,
+                         ranks=ctx.ranks)
+    figures = recall_scores(probe["losses"])
+    scores, se = figures["score"], figures["se"]
+    chosen = chosen_by_score(scores, se, k, cfg.scored, float(cfg.noise_z))
+    keep = keep_list(chosen, figures["text_rise"], k, cfg.fill, num_layers)
     rank = {i: r + 1 for r, i in enumerate(sorted(scores, key=lambda i: (-scores[i], i)))}
-    log.info("retention recall: scores %s -> keep %s (by the score: %s; %.1f s of scoring)",
-             {i: round(v, 3) for i, v in scores.items()}, keep, by_recall, probe["seconds"])
-    details = {"probe": str(cfg.probe), "scored_layers": by_recall, "fill": str(cfg.fill),
+    rule = "override" if cfg.scored is not None else f"score - {cfg.noise_z} * se > 0"
+    log.info("retention recall: scores %s -> keep %s (by the score: %s, %s; %.1f s of scoring)",
+             {i: f"{v:.3f}±{se[i]:.3f}" for i, v in scores.items()}, keep, sorted(chosen), rule, probe["seconds"])
+    base = torch.tensor(probe["losses"]["base"], dtype=torch.float64).mean(0).tolist()
+    details = {"probe": str(cfg.probe), "scored_layers": sorted(chosen), "fill": str(cfg.fill),
+               "scored": cfg.scored, "rule": rule, "noise_z": float(cfg.noise_z),
+               "above_noise": above_noise(scores, se, float(cfg.noise_z)),
                "rank": {str(i): r for i, r in rank.items()},
-               "answer_rise": {str(i): v for i, v in sorted(answer_rise.items())},
-               "text_rise": {str(i): v for i, v in sorted(text_rise.items())},
-               "base_answer_nll": probe["losses"]["base"][0], "base_text_nll": probe["losses"]["base"][1],
+               "se": {str(i): v for i, v in sorted(se.items())},
+               "answer_rise": {str(i): v for i, v in sorted(figures["answer_rise"].items())},
+               "text_rise": {str(i): v for i, v in sorted(figures["text_rise"].items())},
+               "base_answer_nll": base[0], "base_text_nll": base[1], "sequences": len(probe["losses"]["base"]),
+               "seq_len": int(cfg.seq_len), "probe_seed": int(cfg.probe_seed),
                "seconds": probe["seconds"], "tokens": probe["tokens"], "answer_tokens": probe["answer_tokens"],
                "text_tokens": probe["text_tokens"]}
     return Selection(keep, scores, details)

@@ -77,11 +77,13 @@ class ScoredRetentionSettings(RetentionSettings):
 @dataclass
 class RecallRetentionSettings(RetentionSettings):
     """`recall`: layers scored by the rise of the teacher's loss on retrieved answers beyond its rise on text, on
-    synthetic needle sequences cut from the calibration split. `scored` of the kept layers (all when null) are
-    chosen by that score, the rest by `fill`."""
+    synthetic needle sequences cut from the calibration split. The layers whose score stands `noise_z` standard
+    errors (over the probe's sequences) above 0 are kept (`scored=N`: the N highest instead), the rest by `fill`."""
 
     name: str = setting("recall", affects=[SCORES, KEEP])
-    seq_len: int = setting(256, affects=[SCORES])  # tokens per probe sequence
+    # tokens per probe sequence: as long as the shortest RULER length measured (512) and more, so that layers whose
+    # retrieval shows only past a few hundred tokens are seen (docs/results.md, "What the probe sees")
+    seq_len: int = setting(1024, affects=[SCORES])
     # probe sequences (the probe reads num_prompts x seq_len tokens per layer, plus one base pass)
     num_prompts: int = setting(8, affects=[SCORES])
     batch_size: int = setting(4, affects=[SCORES])
@@ -89,8 +91,10 @@ class RecallRetentionSettings(RetentionSettings):
     probe_seed: int = setting(0, affects=[SCORES])
     # bypass: the layer's attention outputs 0; gdn: it is replaced by its initialized GDN (init=...)
     probe: str = setting("bypass", affects=[SCORES])
-    # how many of the kept layers the recall score chooses (null: all of them)
+    # how many of the kept layers the recall score chooses (null: those above the probe's noise, the rule)
     scored: Optional[int] = setting(None, affects=[KEEP])
+    # the rule's margin: a layer is chosen when score - noise_z * (its standard error over the sequences) > 0
+    noise_z: float = setting(3.0, affects=[KEEP])
     # the rest: text (highest text-loss rise, as AR would keep) or uniform (the uniform policy's slots)
     fill: str = setting("text", affects=[KEEP])
     # reuse scores computed with the same key (false: score again, write nothing)
@@ -108,7 +112,12 @@ class RecallRetentionSettings(RetentionSettings):
         one_of("probe", self.probe, PROBES)
         one_of("fill", self.fill, FILLS)
         if self.scored is not None and (not is_int(self.scored) or self.scored < 0):
-            raise bad("scored", self.scored, "null (every kept layer chosen by the score) or an integer >= 0")
+            raise bad("scored", self.scored, "null (the layers above the probe's noise) or an integer >= 0")
+        if not is_number(self.noise_z) or self.noise_z < 0:
+            raise bad("noise_z", self.noise_z, "a number >= 0 (standard errors above 0)")
+        if self.scored is None and self.num_prompts < 2:
+            raise bad("num_prompts", self.num_prompts, "at least 2 with scored=null (the rule reads the spread over "
+                                                       "the probe's sequences)")
 
 
 @declared
