@@ -19,19 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
-from tcal.store.files import write_text_atomic
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a/b": 1}, numbers only."""
-    flat = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(flatten(value, name + "/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            flat[name] = value
-    return flat
+from tcal.store.files import flatten, is_number, write_text_atomic
 
 
 def tokens_metric(kind: str) -> str:
@@ -149,7 +137,7 @@ def log_curve(logger, kind: str, curve: dict) -> None:
 def log_figures(logger, figures: dict, tokens_seen: int = 0) -> None:
     """Numbers of a (nested) results dict, flattened, at step `tokens_seen`."""
     if logger is not None:
-        logger.log_metrics({**flatten(figures), "tokens_seen": tokens_seen}, step=tokens_seen)
+        logger.log_metrics({**flatten(figures, "/", is_number), "tokens_seen": tokens_seen}, step=tokens_seen)
 
 
 def log_table(logger, name: str, columns: list[str], rows: list[list]) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from tcal.errors import ConfigError, DataError, HubUnavailable
 from tcal.store.cache import get_or_build, tensor_codec
-from tcal.store.fingerprint import digest
+from tcal.store.fingerprint import digest, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -295,10 +295,6 @@ def tokenize_documents(docs: list[Document], tokenizer) -> torch.Tensor:
         if eos is not None:
             ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
-
-
-def tokenizer_digest(tokenizer) -> str:
-    return digest(type(tokenizer).__name__, tokenizer.get_vocab(), tokenizer.eos_token_id)
 
 
 # (id of the tokenizer, the documents) -> (the tokenizer, kept so its id stays its own, the stream); newest last

@@ -34,12 +34,12 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from tcal.data.documents import Document, StreamedDocuments, token_stream, tokenizer_digest
+from tcal.data.documents import Document, StreamedDocuments, token_stream
 from tcal.errors import DataError
 from tcal.runtime.progress import progress
 from tcal.store.cache import key_lock
 from tcal.store.files import write_atomic, write_json_atomic
-from tcal.store.fingerprint import digest
+from tcal.store.fingerprint import digest, tokenizer_digest
 
 log = logging.getLogger(__name__)
 

@@ -220,6 +220,24 @@ def null_non_finite(data, path: str = "") -> list[str]:
     return found
 
 
+def flatten(tree: dict, sep: str = ".", keep: Callable[[object], bool] = lambda value: True,
+            prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}, keys joined by `sep`: a non-empty mapping is walked, anything else (a list, an
+    empty mapping) is a value, kept where `keep(value)`. The one flattener of nested results and configs."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, sep, keep, name + sep))
+        elif keep(value):
+            flat[name] = value
+    return flat
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def listed_files(folder: Path) -> set[str] | None:
     """The files the manifest of `folder` lists (paths relative to it), or None when it has none."""
     try:

@@ -22,12 +22,12 @@ from pathlib import Path
 from tcal.store.files import write_text_atomic
 from tcal.store.record import load_record
 from tcal.tools.figures import (
-    INIT_ORDER,
-    POLICY_ORDER,
     Run,
     collect,
     efficiency_table,
     fmt_ppl,
+    group_order,
+    init_order,
     markdown_table,
     zero_shot_table,
 )
@@ -66,15 +66,6 @@ def logged_run(run: Run, record: dict) -> LoggedRun:
                      logger.get("project") if logger.get("name") == "wandb" else None)
 
 
-def _rank(name: str, order: tuple[str, ...]) -> int:
-    return order.index(name) if name in order else len(order)
-
-
-def _section_order(group: tuple[str, str, float]) -> tuple:
-    teacher, policy, ratio = group
-    return teacher, _rank(policy, POLICY_ORDER), policy, ratio
-
-
 def _line_panels(members: list[LoggedRun]) -> list[dict]:
     """One panel per (stage kind, eval set) that any member logged, in stage order then by eval set."""
     kinds = list(dict.fromkeys(kind for member in members for kind in member.curves))
@@ -87,7 +78,7 @@ def _line_panels(members: list[LoggedRun]) -> list[dict]:
 def _grid(members: list[LoggedRun]) -> dict:
     """The panel grid of the runs sharing one set of selectors: filtered to them, grouped by init, and by the
     settings that tell runs of one init apart (`Run.variant_keys`), so W&B never averages two variants."""
-    inits = sorted({m.run.init_mode for m in members}, key=lambda mode: (_rank(mode, INIT_ORDER), mode))
+    inits = sorted({m.run.init_mode for m in members}, key=init_order)
     group_by = [INIT_KEY] + ([GQA_KEY] if any(m.run.gqa_expansion != "whole_head" for m in members) else [])
     group_by += sorted({key for m in members for key in m.run.variant_keys} - set(group_by))
     return {"name": f"stage {members[0].selectors['stage.name']}", "filters": dict(members[0].selectors),
@@ -100,7 +91,7 @@ def _sections(logged: list[LoggedRun]) -> list[dict]:
         if member.curves:
             by_group.setdefault(member.run.group, {}).setdefault(tuple(member.selectors.items()), []).append(member)
     sections = []
-    for group in sorted(by_group, key=_section_order):
+    for group in sorted(by_group, key=group_order):
         teacher, policy, ratio = group
         grids = by_group[group]
         teacher_ppl = {name: value for members in grids.values() for m in members

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tcal.evaluate.local_tasks import nlu_average
-from tcal.store.files import write_atomic, write_text_atomic
+from tcal.store.files import flatten, write_atomic, write_text_atomic
 from tcal.store.record import RESULTS, RecordError, load_record
 
 INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full", "full_plus")
@@ -243,15 +243,6 @@ def collect(folder: Path) -> Collected:
     return found
 
 
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """{"a.b": value} of a nested mapping (lists and empty mappings are values)."""
-    items = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        items.update(flatten(value, path + ".") if isinstance(value, dict) and value else {path: value})
-    return items
-
-
 def reported_keys(config: dict) -> frozenset:
     """The keys of a recorded config whose settings change what the run reports: its result or its evaluation
     figures, as the settings' fields declare it (`tcal.settings.fields`). A config this tcal cannot read as settings
@@ -297,7 +288,7 @@ def _groups(runs: list[Run], stages=ZERO_SHOT_STAGES) -> dict[tuple, dict[str, R
     groups: dict[tuple, dict[str, Run]] = {}
     for run in sorted((r for r in runs if r.stage in stages), key=lambda r: stages.index(r.stage), reverse=True):
         groups.setdefault(run.group, {})[run.init] = run
-    return dict(sorted(groups.items(), key=lambda item: _group_order(item[0])))
+    return dict(sorted(groups.items(), key=lambda item: group_order(item[0])))
 
 
 def _rank(name: str, order: tuple[str, ...]) -> int:
@@ -305,16 +296,23 @@ def _rank(name: str, order: tuple[str, ...]) -> int:
     return order.index(name) if name in order else len(order)
 
 
-def _group_order(group: tuple) -> tuple:
+def group_order(group: tuple) -> tuple:
+    """Sort key of a (teacher, policy, ratio) group: by teacher, policies in the paper's order, then by ratio (the
+    order of the report's tables and of the dashboard's sections)."""
     teacher, policy, ratio = group
     return teacher, _rank(policy, POLICY_ORDER), policy, ratio
+
+
+def init_order(mode: str) -> tuple:
+    """Sort key of an init mode: INIT_ORDER, then any other mode by name."""
+    return _rank(mode, INIT_ORDER), mode
 
 
 def _init_columns(runs: list[Run]) -> list[str]:
     """Whole-head inits in INIT_ORDER, then each other GQA expansion's inits in the same order."""
     def order(run: Run):
         mode = run.init_mode
-        return run.gqa_expansion != "whole_head", run.gqa_expansion, _rank(mode, INIT_ORDER), mode, _natural(run.init)
+        return run.gqa_expansion != "whole_head", run.gqa_expansion, *init_order(mode), _natural(run.init)
     return list(dict.fromkeys(run.init for run in sorted(runs, key=order)))
 
 
@@ -521,7 +519,7 @@ def after_training_table(runs: list[Run]) -> Table:
         header += [f"{label} tokens", f"{label} PPL", f"{label} NLU avg", f"{label} RULER"]
     after = {stage: _groups(runs, (stage,)) for stage in ("align", "align_distill")}
     rows = []
-    for group in sorted(set(after["align"]) | set(after["align_distill"]), key=_group_order):
+    for group in sorted(set(after["align"]) | set(after["align_distill"]), key=group_order):
         by_stage = {stage: after[stage].get(group, {}) for stage in after}
         inits = [i for i in _init_columns(runs) if any(i in by_init for by_init in by_stage.values())]
         for eval_set in sorted({s for by_init in by_stage.values() for s in _eval_sets(by_init)}):
