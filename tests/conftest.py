@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random teachers of each family, and Hydra composition of the app's configs."""
+"""Shared fixtures: tiny random teachers of each family, Hydra composition of the app's configs, and example
+records (results.json) checked against the schema."""
 
 from __future__ import annotations
 
@@ -141,3 +142,42 @@ def one_rank_group():
         torch.distributed.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+# --- example records: results.json as the pipeline writes it ---
+
+def _stage_config(stage: str) -> dict:
+    if stage == "none":
+        return {"name": "none"}
+    if stage == "align_distill":
+        return {"name": stage, "sequence": ["align", "distill"]}
+    return {"name": stage, "kind": stage}
+
+
+def example_stage(kind: str = "distill", tokens_seen: int = 64, curve: dict | None = None) -> dict:
+    """A stage record as the training runner writes it (`results.json` `stages.<kind>`), for tests."""
+    return {"kind": kind, "settings": {"name": kind}, "steps": 1, "tokens_seen": tokens_seen,
+            "tokens_per_step": tokens_seen, "world_size": 1, "seconds_this_process": 0.5, "loss_first": 2.0,
+            "loss_last": 1.5, "rank_weight_digests": ["0" * 15], "curve": curve or {}, "resumed": False,
+            "cached": False}
+
+
+def example_record(status: str = "complete", failed_after: str | None = None, **fields) -> dict:
+    """A record as the pipeline writes it, checked against the schema, for tests: a 4-layer teacher "t1" with
+    layers 0 and 2 kept (uniform, ratio 0.5), init `full`, zero-shot, one eval set (shakespeare). `fields` replace
+    or add fields; a record short of "complete" holds only the fields of its status (and those given)."""
+    from tcal.store.record import check_record, new_record, required_fields
+
+    record = new_record(teacher="t1", num_layers=4, retention="uniform", ratio=0.5, keep_layers=[0, 2],
+                        retention_scores={}, init_mode="full", gqa_expansion="whole_head", stage="none",
+                        kernel_path="torch-chunk", config={}, timings={"convert": 0.1})
+    record.update(calibration={}, init_weights_digest="0" * 16,
+                  metrics={"shakespeare": {"teacher_ppl": 20.0, "student_ppl": 25.0}})
+    record.update(fields)
+    if "config" not in fields:
+        record["config"] = {"seed": 0, "stage": _stage_config(record["stage"])}
+    record["status"] = status
+    if status == "failed":
+        record.update(failed_after=failed_after, error=fields.get("error", "RuntimeError: an example failure"))
+    kept = {"schema_version", *required_fields(status, failed_after), *fields}
+    return check_record({k: v for k, v in record.items() if k in kept}, "example record")

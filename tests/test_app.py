@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, compose_config, isolated_cache_dir
+from conftest import compose, compose_config, example_record, isolated_cache_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tcal.cli.app import CONF_DIR, earlier_run, run_in
@@ -20,7 +20,6 @@ from tcal.data.documents import eval_sets, load_splits, token_windows
 from tcal.errors import FolderInUse
 from tcal.evaluate.perplexity import perplexity
 from tcal.pipeline import run
-from tcal.store.record import example_record
 from tcal.student.hybrid import HybridForCausalLM
 
 EXTRA_TEXT = "\n".join(

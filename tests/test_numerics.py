@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, isolated_cache_dir, make_teacher
+from conftest import compose, example_record, isolated_cache_dir, make_teacher
 
 from tcal.cli.app import CONF_DIR
 from tcal.errors import Divergence
@@ -23,7 +23,7 @@ from tcal.init.calibration import align as align_module
 from tcal.init.calibration.phase1 import apply_phase1
 from tcal.init.calibration.stats import LayerStats, blockwise_attention, collect_teacher_stats
 from tcal.pipeline import run
-from tcal.store.record import example_record, write_record
+from tcal.store.record import write_record
 from tcal.student.convert import naive_gdn
 from tcal.training import stages as stages_module
 from tcal.training.stages import StageModule

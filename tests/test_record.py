@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import example_record, example_stage
 
 from tcal.cli.app import recorded_run
 from tcal.errors import ConfigError, FolderInUse
@@ -17,8 +18,6 @@ from tcal.store.record import (
     SCHEMA_VERSION,
     RecordError,
     check_record,
-    example_record,
-    example_stage,
     is_stage_record,
     load_record,
     read_record,

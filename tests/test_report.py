@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tcal.store.record import example_record, example_stage
+from conftest import example_record, example_stage
+
 from tcal.tools import figures
 from tcal.tools.figures import Reach, efficiency_ratio, fmt_ppl, fmt_ratio
 from tcal.tools.report import main

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 
-from tcal.store.record import example_record, write_record
+from conftest import example_record
+
+from tcal.store.record import write_record
 from tcal.tools.figures import collect
 from tcal.tools.report import main
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, isolated_cache_dir
+from conftest import compose, example_record, isolated_cache_dir
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
@@ -22,7 +22,6 @@ from tcal.cli import app
 from tcal.cli.app import CONF_DIR, check_arguments, run_in
 from tcal.errors import DamagedCheckpoint, FolderInUse
 from tcal.pipeline import run
-from tcal.store.record import example_record
 from tcal.store.rerun import resumed_settings
 
 TINY = ("experiment=smoke", "init=naive", "eval.num_windows=2")

@@ -185,7 +185,7 @@ def test_summary_splits_needle_subtasks_from_the_others_with_standard_errors():
 def test_report_prints_each_subtask_with_its_standard_error_and_examples(tmp_path):
     import json
 
-    from tcal.store.record import example_record
+    from conftest import example_record
     from tcal.tools.report import build_report
 
     ruler = {"teacher": {"512": {"niah_single": 1.0, "variable_tracking": 0.0}},

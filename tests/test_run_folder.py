@@ -152,7 +152,7 @@ def test_a_refused_second_run_announces_nothing_about_the_folder(tmp_path, capsy
     """The second `tcal` into a live run's unfinished folder is refused before it says "continuing it"."""
     from tcal.cli.app import run_in
     from tcal.store.locks import locked
-    from tcal.store.record import example_record
+    from conftest import example_record
 
     settings = compose("experiment=smoke", "init=naive")
     (tmp_path / "results.json").write_text(json.dumps(example_record("initialized", config=settings.tree())))
@@ -167,7 +167,7 @@ def test_save_student_on_a_complete_run_without_its_student_is_one_line(tmp_path
     says so; the same run asked without the export has nothing to do."""
     from tcal.cli.app import run_in
     from tcal.errors import ConfigError
-    from tcal.store.record import example_record
+    from conftest import example_record
 
     recorded = compose("experiment=smoke", "init=naive", "save_student=false")
     (tmp_path / "results.json").write_text(json.dumps(example_record("complete", config=recorded.tree())))
