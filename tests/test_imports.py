@@ -1,4 +1,5 @@
-"""The installed package stands without the benchmarks, and no module reaches into another's private names."""
+"""The installed package stands without the benchmarks, no module reaches into another's private names, and the
+imports between the folders of src/tcal run down one layer order."""
 
 import ast
 from pathlib import Path
@@ -30,3 +31,63 @@ def test_no_module_imports_a_private_name_of_another():
              for path, module, names in imports(folder) if module.split(".")[0] in own
              for name in names if name.startswith("_")]
     assert found == []
+
+
+# The folders (and top-level modules) of src/tcal from the bottom layer up. A module imports tcal only from layers
+# below its own, never from its own layer or one above.
+LAYERS = (
+    ("errors", "hub", "registry", "serving"),
+    ("runtime", "settings"),
+    ("store",),
+    ("data", "teachers", "tracking"),
+    ("context", "evaluate", "student"),
+    ("export", "init", "preflight", "training"),
+    ("retention",),
+    ("api", "tools"),
+    ("pipeline",),
+    ("cli",),
+)
+PACKAGE = ROOT / "src" / "tcal"
+
+
+def _part(path: Path) -> str:
+    """The folder or top-level module of src/tcal that `path` belongs to."""
+    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+
+
+def _tcal_imports():
+    """(file, line, imported tcal module) for every import of tcal under src/tcal, those inside functions too."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path}:{node.lineno}: a relative import; write it as `from tcal...`"
+                modules = [f"tcal.{alias.name}" for alias in node.names] if node.module == "tcal" else [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                if module.split(".")[0] == "tcal" and "." in module:
+                    yield path, node.lineno, module
+
+
+def test_imports_run_down_the_layers():
+    """Lower layers never import higher ones. The bottom layers (errors, settings, store) are what every run stands
+    on: with imports one way, each layer can be read, tested and reused without those above it, no import cycle can
+    form (a same-layer import is refused too), and a change high up (a report, the CLI) cannot break a low module.
+    An import inside a function counts as much as one at the top: it is the same dependency, deferred. `LAYERS`
+    holds the order once: a new folder or module takes its place there, and an import that must go against it
+    means the code belongs in another layer, not that the order should bend. (Modules a registry loads by name,
+    `importlib.import_module`, are not imports here.)"""
+    layer = {name: index for index, names in enumerate(LAYERS) for name in names}
+    parts = {_part(path) for path in PACKAGE.rglob("*.py")} - {"__init__", "__pycache__"}
+    assert sorted(parts - set(layer)) == [], "folders or modules of src/tcal missing from LAYERS: place each there"
+    assert sorted(set(layer) - parts) == [], "LAYERS names a folder or module src/tcal no longer has"
+    wrong = []
+    for path, line, module in _tcal_imports():
+        mine, theirs = _part(path), module.split(".")[1]
+        if mine != theirs and theirs in layer and layer[theirs] >= layer[mine]:
+            wrong.append(f"{path.relative_to(ROOT).as_posix()}:{line} imports {module}: {mine} (layer "
+                         f"{layer[mine] + 1}) may import only from layers below it, and {theirs} is layer "
+                         f"{layer[theirs] + 1}")
+    assert wrong == [], "imports against the layer order (tests/test_imports.py, LAYERS):\n" + "\n".join(wrong)
