@@ -14,7 +14,7 @@ from tcal.training.stages import AlignStage, DistillStage
 
 
 def stage_config(kind: str, overrides=()):
-    """conf/stage/<kind>.yaml with the `stage.*` entries of `overrides` applied."""
+    """src/tcal/conf/stage/<kind>.yaml with the `stage.*` entries of `overrides` applied."""
     from tcal.settings.compose import settings_for
 
     return settings_for(f"stage={kind}", *(o for o in overrides if o.startswith("stage."))).stage

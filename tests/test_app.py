@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, compose_config, example_record, isolated_cache_dir
+from conftest import REPO, compose, compose_config, example_record, isolated_cache_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tcal.cli.app import CONF_DIR, earlier_run, run_in
+from tcal.cli.app import earlier_run, run_in
 from tcal.data.documents import eval_sets, load_splits, token_windows
 from tcal.errors import FolderInUse
 from tcal.evaluate.perplexity import perplexity
@@ -143,7 +143,7 @@ def test_default_config_is_the_main_job():
 
 
 def experiment_names() -> list[str]:
-    folder = Path(CONF_DIR).parent / "experiments"
+    folder = REPO / "experiments"
     return sorted(p.stem for p in folder.glob("*.yaml"))
 
 
@@ -174,7 +174,7 @@ def test_paper_experiments_hold_the_paper_settings(name):
 
 
 def sweep_names() -> list[str]:
-    return sorted(p.stem for p in (Path(CONF_DIR).parent / "sweeps").glob("*.yaml"))
+    return sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("name", sweep_names())

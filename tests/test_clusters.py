@@ -6,12 +6,10 @@ from __future__ import annotations
 import errno
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import compose
+from conftest import REPO, compose
 
-from tcal.cli.app import CONF_DIR
 from tcal.errors import ConfigError
 from tcal.runtime.distributed import launch
 from tcal.store import locks
@@ -34,7 +32,7 @@ def test_the_one_task_sbatch_is_one_line_from_tcal(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **ONE_TASK_SBATCH}
     done = subprocess.run([sys.executable, "-m", "tcal.cli.app", "experiment=smoke", "trainer=ddp",
                            f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}"],
-                          cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert len(lines) == 1 and "this SLURM job has 1 task (SLURM_NTASKS=1)" in lines[0]

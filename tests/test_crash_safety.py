@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, isolated_cache_dir
+from conftest import REPO, compose, isolated_cache_dir
 from safetensors.torch import save_file
 
-from tcal.cli.app import CONF_DIR
 from tcal.pipeline import run
 from tcal.store.cache import get_or_build, load_json, load_tensors, save_json, save_tensors
 from tcal.store.files import write_folder_atomic
@@ -123,7 +122,7 @@ def test_parallel_sweep_shares_one_cache(tmp_path):
     cache = isolated_cache_dir(tmp_path / "cache")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "tcal.cli.app", *TINY, *job, f"paths.cache_dir={cache}",
-                               f"hydra.run.dir={tmp_path / f'job{i}'}"], cwd=Path(CONF_DIR).parent, env=env,
+                               f"hydra.run.dir={tmp_path / f'job{i}'}"], cwd=REPO, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for i, job in enumerate(SWEEP)]
     errors = [proc.communicate(timeout=1500)[1] for proc in procs]

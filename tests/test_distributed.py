@@ -20,9 +20,8 @@ from pathlib import Path
 import collective_cases
 import pytest
 import torch
-from conftest import compose, isolated_cache_dir
+from conftest import REPO, compose, isolated_cache_dir
 
-from tcal.cli.app import CONF_DIR
 from tcal.cli.rank import STOP_GRACE_S, free_port
 from tcal.evaluate.validation import RankWindows
 from tcal.pipeline import run
@@ -42,7 +41,7 @@ def tcal(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, str]:
     run_dir = tmp_path / name
     command = [sys.executable, "-m", "tcal.cli.app", *SMOKE, *overrides,
                f"paths.cache_dir={isolated_cache_dir(tmp_path / f'cache_{name}')}", f"hydra.run.dir={run_dir}"]
-    done = subprocess.run(command, cwd=Path(CONF_DIR).parent, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return read_results(run_dir), done.stdout + done.stderr
@@ -112,7 +111,7 @@ def tcal_with_fault(fault: dict | list | None, *args: str) -> subprocess.Complet
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])),
            "TCAL_TEST_FAULT": json.dumps(fault) if fault else ""}
-    return subprocess.run([sys.executable, "-m", "tcal.cli.app", *args], cwd=Path(CONF_DIR).parent, env=env,
+    return subprocess.run([sys.executable, "-m", "tcal.cli.app", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CITING = [*DOCS, *(p for d in ("src", "conf", "tests", "experiments", "sweeps", "benchmarks")
+CITING = [*DOCS, *(p for d in ("src", "tests", "experiments", "sweeps", "benchmarks")
                    for p in sorted((ROOT / d).rglob("*"))
                    if p.suffix in {".py", ".yaml", ".md"} and p != Path(__file__).resolve())]
 

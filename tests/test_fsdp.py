@@ -22,11 +22,10 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from conftest import compose, isolated_cache_dir, make_teacher
+from conftest import REPO, compose, isolated_cache_dir, make_teacher
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from tcal.cli.app import CONF_DIR
 from tcal.evaluate.validation import eval_dataloaders, is_sharded
 from tcal.student.convert import build_student
 from tcal.training.run import ShardedStrategy, stage1_key, stage_checkpoint, unsharded_student
@@ -147,7 +146,7 @@ TWO_STAGES = ("experiment=smoke", "eval.num_windows=3", "stage=align_distill", "
               "stage.distill.lr_mixer=1e-3", "stage.distill.lr_rest=1e-3", "trainer.accelerator=cpu",
               "trainer.devices=2", "trainer.precision=32-true")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-CWD = Path(CONF_DIR).parent
+CWD = REPO
 
 
 def command(tmp_path: Path, name: str, trainer: str) -> list[str]:

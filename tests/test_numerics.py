@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, example_record, isolated_cache_dir, make_teacher
+from conftest import REPO, compose, example_record, isolated_cache_dir, make_teacher
 
-from tcal.cli.app import CONF_DIR
 from tcal.errors import Divergence
 from tcal.evaluate.perplexity import perplexity
 from tcal.init.calibration import align as align_module
@@ -210,7 +209,7 @@ def test_learning_rate_100_fails_with_one_line_and_a_failed_record(tmp_path):
                            "stage.max_tokens=64", "stage.eval_every_tokens=64", "stage.batch_size=2", "stage.seq_len=32",
                            "stage.lr_mixer=100", "stage.lr_rest=100", "eval.num_windows=2", "logger=none",
                            f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", f"hydra.run.dir={run_dir}"],
-                          cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stderr.splitlines() if line.startswith("tcal: ")]
     assert done.returncode == 1 and "Traceback" not in done.stderr + done.stdout, done.stderr[-3000:]
     assert lines == [f"tcal: run failed: distill: perplexity on eval set 'shakespeare' is nan at step 1 (tokens_seen "

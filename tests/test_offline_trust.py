@@ -10,9 +10,8 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
-from conftest import compose, isolated_cache_dir, make_teacher, repo_cache_dir
+from conftest import REPO, compose, isolated_cache_dir, make_teacher, repo_cache_dir
 
-from tcal.cli.app import CONF_DIR
 from tcal.pipeline import run
 from tcal.teachers import load as load_module
 
@@ -81,7 +80,7 @@ def test_trust_remote_code_is_off_unless_the_teacher_config_turns_it_on(setting,
 
 def test_no_pickle_loads_anywhere():
     """Every torch.load in the code and tests passes weights_only=True (cache entries are safetensors + JSON)."""
-    root = Path(CONF_DIR).parent
+    root = REPO
     unsafe = []
     for path in [*root.joinpath("src").rglob("*.py"), *root.joinpath("tests").rglob("*.py")]:
         for number, line in enumerate(path.read_text().splitlines(), 1):

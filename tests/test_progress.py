@@ -10,16 +10,14 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
-from conftest import isolated_cache_dir
+from conftest import REPO, isolated_cache_dir
 from lightning.pytorch.callbacks import TQDMProgressBar
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from tcal.cli.app import CONF_DIR
 from tcal.runtime.lightning_output import TIP_MARK, ProgressBar
 from tcal.runtime.progress import LOG_REDRAW_S, DrawnLines, progress
 
@@ -141,7 +139,7 @@ def test_a_run_logs_lightnings_lines_once_no_tips_and_few_bar_lines(tmp_path):
              "stage=distill", "stage.batch_size=2", "stage.seq_len=32", f"stage.max_tokens={steps * tokens_per_step}",
              f"stage.eval_every_tokens={steps // 2 * tokens_per_step}", "logger=none", "save_student=false",
              f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", f"hydra.run.dir={tmp_path / 'run'}"],
-            cwd=Path(CONF_DIR).parent, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
             stdout=log, stderr=subprocess.STDOUT, timeout=600)
     output = log_path.read_text()
     assert done.returncode == 0, output[-3000:]

@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import isolated_cache_dir
+from conftest import REPO, isolated_cache_dir
 
-from tcal.cli.app import CONF_DIR
 
 RUN = ["experiment=smoke", "init=naive", "eval.num_windows=2", "logger=none", "save_student=false", "trainer=ddp",
        "stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=8192",
@@ -63,7 +62,7 @@ def signal_a_training_run(tmp_path: Path, target: str, signum: int, seed: int) -
     run_dir = tmp_path / f"run_{target}_{signum}_{seed}"
     job = subprocess.Popen([sys.executable, "-m", "tcal.cli.app", *RUN, f"hydra.run.dir={run_dir}",
                             f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}"],
-                           cwd=Path(CONF_DIR).parent, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
         while record(run_dir).get("status") != "initialized" or len(rank_pids(job.pid)) < 2:

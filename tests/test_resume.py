@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, example_record, isolated_cache_dir
+from conftest import REPO, compose, example_record, isolated_cache_dir
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
 from tcal.cli import app
-from tcal.cli.app import CONF_DIR, check_arguments, run_in
+from tcal.cli.app import check_arguments, run_in
 from tcal.errors import DamagedCheckpoint, FolderInUse
 from tcal.pipeline import run
 from tcal.store.rerun import resumed_settings
@@ -163,7 +163,7 @@ def test_a_damaged_checkpoint_is_named_and_the_record_keeps_what_it_held(straigh
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-m", "tcal.cli.app", f"resume={run_dir}", f"hydra.run.dir={tmp_path / 'log'}"],
-                          cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith(f"tcal: configuration error: checkpoint {checkpoint} cannot be read")

@@ -16,9 +16,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import compose, isolated_cache_dir
+from conftest import REPO, compose, isolated_cache_dir
 
-from tcal.cli.app import CONF_DIR
 from tcal.errors import FolderInUse
 from tcal.pipeline import run
 from tcal.store.cache import key_lock
@@ -128,14 +127,14 @@ def test_the_same_command_twice_refuses_the_second_while_the_first_trains(tmp_pa
             "stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=1024",
             "stage.eval_every_tokens=256", f"paths.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    first = subprocess.Popen(args, cwd=Path(CONF_DIR).parent, env=env, stdout=subprocess.PIPE,
+    first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, bufsize=1)
     for line in first.stdout:
         if "distill at 0 tokens" in line:
             break
     first.send_signal(signal.SIGSTOP)  # paused mid-training: alive, holding its folder, however slow the second
     try:
-        second = subprocess.run(args, cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True,
+        second = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
                                 timeout=600)
     finally:
         first.send_signal(signal.SIGCONT)

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, isolated_cache_dir, repo_cache_dir
+from conftest import REPO, compose, isolated_cache_dir, repo_cache_dir
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
 from tcal import api
-from tcal.cli.app import CONF_DIR
 from tcal.pipeline import run
 from tcal.runtime.signals import Interrupted, KeyboardInterrupted, handling
 from tcal.settings import DataSettings, DistillSettings, init_settings, tiny_teacher
@@ -183,7 +182,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFF
 def tcal(*args: str, signal_on: str | None = None, signum: int = signal.SIGTERM) -> tuple[int, str, bool]:
     """Run `tcal ARGS`; with `signal_on`, send `signum` the moment a line containing it appears. (exit code,
     output, whether the signal was sent)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tcal.cli.app", *args], cwd=Path(CONF_DIR).parent, env=ENV,
+    proc = subprocess.Popen([sys.executable, "-m", "tcal.cli.app", *args], cwd=REPO, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines, sent = [], False
     for line in proc.stdout:

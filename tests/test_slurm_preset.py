@@ -1,4 +1,4 @@
-"""The SLURM preset (conf/hydra/launcher/slurm_gpu.yaml) as submitit renders it: one rank's bad exit ends the job,
+"""The SLURM preset (src/tcal/conf/hydra/launcher/slurm_gpu.yaml) as submitit renders it: one rank's bad exit ends the job,
 a timed-out or preempted job is requeued, and memory, CPUs and GPUs are those `tcal-plan --slurm-env` exports."""
 
 from __future__ import annotations

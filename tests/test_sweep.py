@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import isolated_cache_dir
+from conftest import REPO, isolated_cache_dir
 
-from tcal.cli.app import CONF_DIR
 from tcal.tools.report import build_report
 
 TINY = ["experiment=smoke", "init=naive", "eval.num_windows=2", "save_student=false", "logger=none"]
@@ -26,7 +25,7 @@ def sweep(cache: str, sweep_dir: Path, *args: str) -> tuple[subprocess.Completed
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-m", "tcal.cli.app", "-m", *TINY, *args, f"hydra.sweep.dir={sweep_dir}",
                            f"paths.cache_dir={cache}"],
-                          cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     text = done.stderr.replace("\r", "\n")
     return done, [line.strip() for line in text.splitlines() if line.strip().startswith("tcal: ")]
 
@@ -85,7 +84,7 @@ def test_two_sweeps_into_one_folder_each_report_only_their_own_failures(tmp_path
             "eval.num_windows=2", "save_student=false", f"hydra.sweep.dir={sweep_dir}",
             f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    sweeps = [subprocess.Popen(args, cwd=Path(CONF_DIR).parent, env=env, stdout=subprocess.PIPE,
+    sweeps = [subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
     done = [sweep.communicate(timeout=600) for sweep in sweeps]
     assert [sweep.returncode for sweep in sweeps] == [0, 0], [err[-2000:] for _, err in done]

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose, isolated_cache_dir, make_teacher
+from conftest import REPO, compose, isolated_cache_dir, make_teacher
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
 import tcal.data.documents
-from tcal.cli.app import CONF_DIR, recorded_run
+from tcal.cli.app import recorded_run
 from tcal.data.documents import Document, forget_token_streams, load_splits, token_stream, tokenize_documents
 from tcal.errors import ConfigError
 from tcal.pipeline import prepare, run
@@ -331,7 +331,7 @@ def test_ddp_two_processes_count_both_ranks_and_end_identical(tmp_path):
            "eval.num_windows=2", "stage=distill", *TINY_STAGE, "stage.max_tokens=384", "stage.eval_every_tokens=128",
            "trainer=ddp", f"hydra.run.dir={run_dir}", "save_student=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     record = read_results(run_dir)["stages"]["distill"]
     assert record["world_size"] == 2
@@ -438,7 +438,7 @@ def test_sigkill_and_resume_from_the_command_line(tmp_path):
     straight = run(compose(*overrides), tmp_path / "straight")
     run_dir = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cwd = Path(CONF_DIR).parent
+    cwd = REPO
     proc = subprocess.Popen([sys.executable, "-m", "tcal.cli.app", *overrides, f"hydra.run.dir={run_dir}"], cwd=cwd,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoint = run_dir / "checkpoints" / "distill" / "last.ckpt"

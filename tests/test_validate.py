@@ -13,7 +13,7 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from conftest import compose, repo_cache_dir
+from conftest import REPO, compose, repo_cache_dir
 from test_errors import run_fails
 
 from tcal.cli.app import CONF_DIR, check_arguments
@@ -218,7 +218,7 @@ def test_known_group_options_and_plain_keys_pass():
 def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TCAL_CACHE_DIR": repo_cache_dir()}
     return subprocess.run([sys.executable, "-m", "tcal.cli.app", "experiment=smoke", f"hydra.run.dir={tmp_path / 'run'}",
-                           *args], cwd=Path(CONF_DIR).parent, env=env, capture_output=True, text=True, timeout=300)
+                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -281,8 +281,8 @@ def test_every_shipped_option_experiment_and_sweep_composes_into_settings():
     groups = [p.relative_to(CONF_DIR).as_posix() for p in Path(CONF_DIR).rglob("*") if p.is_dir()]
     overrides = [f"{group}={option}" for group in groups if group.split("/")[0] not in ("hydra", "experiment", "sweep")
                  for option in group_options(group)]
-    overrides += [f"+sweep={p.stem}" for p in (Path(CONF_DIR).parent / "sweeps").glob("*.yaml")]
-    overrides += [f"experiment={p.stem}" for p in (Path(CONF_DIR).parent / "experiments").glob("*.yaml")]
+    overrides += [f"+sweep={p.stem}" for p in (REPO / "sweeps").glob("*.yaml")]
+    overrides += [f"experiment={p.stem}" for p in (REPO / "experiments").glob("*.yaml")]
     assert len(overrides) > 40
     for override in overrides:
         extra = ["retention.keep=[0,1]"] if override == "retention=explicit" else []

@@ -62,7 +62,7 @@ from tcal.settings.stage import (
 from tcal.settings.teacher import TeacherSettings
 from tcal.settings.trainer import LoggerSettings, PathsSettings, TrainerSettings
 
-CONF = Path(__file__).resolve().parents[3] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "conf"  # package data (pyproject.toml), so any install finds it
 ROOT_KEYS = tuple(f.name for f in dataclasses.fields(RunSettings) if f.name not in GROUPS)
 
 RootSchema = dataclasses.make_dataclass(
