@@ -365,3 +365,17 @@ def test_recall_composes_with_its_defaults():
     cfg = compose("retention=recall")
     assert cfg.retention.name == "recall" and cfg.retention.scored is None and cfg.retention.fill == "text"
     assert cfg.retention.num_prompts == 8
+
+
+def test_the_report_names_each_recall_variant():
+    """tcal-report's retrieval table tells the rule from an override and the probe's form, older records included."""
+    from tcal.tools.figures import retention_variant
+
+    rule = {"probe": "bypass", "seq_len": 1024, "scored_layers": [16, 18], "fill": "text",
+            "rule": "score - 3.0 * se > 0", "scored": None, "noise_z": 3.0}
+    assert retention_variant(rule) == "bypass/1024 rule z=3 (16 18) fill=text"
+    override = {**rule, "probe": "gdn", "scored": 3, "scored_layers": [4, 16, 18], "rule": "override"}
+    assert retention_variant(override) == "gdn/1024 scored=3 (4 16 18) fill=text"
+    before_the_rule = {"probe": "bypass", "scored_layers": [16, 18, 19], "fill": "uniform"}
+    assert retention_variant(before_the_rule) == "bypass scored=3 (16 18 19) fill=uniform"
+    assert retention_variant({"rank": {"0": 1}}) == retention_variant(None) == "-"

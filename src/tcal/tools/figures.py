@@ -381,7 +381,7 @@ def retrieval_table(runs: list[Run]) -> Table:
     cells = sorted({c for r in with_ruler for role in ("teacher", "student") for c in r.ruler_cells[role]},
                    key=lambda c: (_rank(c[1], TASKS), c[1], int(c[0]) if c[0].isdigit() else c[0]))
     eval_sets = sorted({s for r in with_ruler for s in r.student_ppl})
-    header = ["teacher", "policy", "ratio", "init", "stage", "GDN layers",
+    header = ["teacher", "policy", "variant", "ratio", "init", "stage", "GDN layers",
               *(f"recall rank of layer {i}" for i in RANKED_LAYERS),
               *(f"{task} @ {length}" for length, task in cells), "needle subtasks", "other subtasks", "all subtasks",
               *(f"PPL {s}" for s in eval_sets), "retention s"]
@@ -398,15 +398,15 @@ def retrieval_table(runs: list[Run]) -> Table:
         if run.teacher not in teachers_done and run.ruler_cells.get("teacher"):
             teachers_done.add(run.teacher)
             by_cell = run.ruler_cells["teacher"]
-            rows.append([run.teacher, "-", "1", "teacher", "-", "none", *(MISSING for _ in RANKED_LAYERS),
+            rows.append([run.teacher, "-", "-", "1", "teacher", "-", "none", *(MISSING for _ in RANKED_LAYERS),
                          *(fmt_rate(*by_cell.get(c, (None, None))) for c in cells), *summaries(by_cell),
                          *(fmt_ppl(run.teacher_ppl.get(s)) for s in eval_sets), MISSING])
         by_cell = run.ruler_cells["student"]
         ranks = (run.retention_details or {}).get("rank") or {}
         converted = [i for i in range(run.num_layers) if i not in run.keep_layers]
         seconds = (run.retention_details or {}).get("seconds", run.retention_seconds)
-        rows.append([run.teacher, run.policy, f"{run.ratio:g}", run.init, run.stage,
-                     " ".join(map(str, converted)) or "none",
+        rows.append([run.teacher, run.policy, retention_variant(run.retention_details), f"{run.ratio:g}", run.init,
+                     run.stage, " ".join(map(str, converted)) or "none",
                      *(str(ranks.get(str(i), MISSING)) for i in RANKED_LAYERS),
                      *(fmt_rate(*by_cell.get(c, (None, None))) for c in cells), *summaries(by_cell),
                      *(fmt_ppl(run.student_ppl.get(s)) for s in eval_sets),
@@ -414,7 +414,24 @@ def retrieval_table(runs: list[Run]) -> Table:
     return header, rows
 
 
-RANKED_LAYERS = (7, 18)  # SmolLM2's retrieving layers (docs/results.md, "Long context"): where recall ranks them
+RANKED_LAYERS = (7, 16, 18)  # SmolLM2's retrieving layers (docs/results.md, "Long context"): where recall ranks them
+
+
+def retention_variant(details: dict | None) -> str:
+    """How a recall run chose its layers, from its results.json `retention_details`: the probe (and its length),
+    the scored layers and what chose them (the rule with its margin, or `scored=N`), the fill; "-" for the other
+    policies. Records written before the rule (no `rule` field) chose the `scored` highest, all kept when unset."""
+    if not details or "scored_layers" not in details:
+        return MISSING
+    scored = details["scored_layers"]
+    if "rule" not in details:
+        how = f"scored={len(scored)}"
+    elif details.get("scored") is None:
+        how = f"rule z={details['noise_z']:g}"
+    else:
+        how = f"scored={details['scored']}"
+    length = f"/{details['seq_len']}" if "seq_len" in details else ""
+    return f"{details['probe']}{length} {how} ({' '.join(map(str, scored)) or 'none'}) fill={details['fill']}"
 
 
 def ablation_table(runs: list[Run]) -> Table:
