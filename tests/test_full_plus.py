@@ -14,7 +14,8 @@ from conftest import compose, isolated_cache_dir, make_teacher
 
 from tcal.data.documents import Document, Splits
 from tcal.init.calibration.calibrate import ArtifactStore
-from tcal.init.calibration.pool import align_on_pool, calibrate_on_pool, minibatches, pool_windows
+from tcal.init.calibration.pool import align_on_pool, calibrate_on_pool, minibatches
+from tcal.settings.init import pool_windows
 from tcal.init.full_plus import full_plus_pool
 from tcal.pipeline import run
 from tcal.settings.schedule import lr_factor

@@ -18,7 +18,7 @@ from tcal.settings import (
     init_settings,
     tiny_teacher,
 )
-from tcal.settings.init import INIT_OPTIONS
+from tcal.registry import INIT_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 README, DOC = ROOT / "README.md", ROOT / "docs" / "python_api.md"
@@ -50,7 +50,7 @@ def test_run_settings_defaults_are_the_default_config():
     assert compose() == RunSettings()
 
 
-@pytest.mark.parametrize("mode", sorted(INIT_OPTIONS))
+@pytest.mark.parametrize("mode", INIT_MODES.names())
 def test_init_settings_are_conf_init_options(mode):
     assert compose(f"init={mode}").init == init_settings(mode)
 
@@ -69,7 +69,7 @@ def test_stage_settings_are_conf_stage_options():
 def test_a_config_read_back_from_results_json_gets_its_classes():
     import json
 
-    from tcal.settings.compose import run_settings
+    from tcal.settings.conversion import run_settings
 
     settings = compose("experiment=smoke", "init=full_plus", "stage=align_distill", "retention=ar")
     recorded = json.loads(json.dumps(settings.tree()))  # as a results.json holds it, untyped

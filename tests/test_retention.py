@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import compose, compose_config, make_teacher, repo_cache_dir
-from omegaconf import OmegaConf
 
 import tcal.init.calibration.calibrate as calibrate_mod
 import tcal.retention.ar as ar_mod
@@ -20,7 +19,8 @@ import tcal.retention.ga_s2 as ga_s2_mod
 from tcal.data.documents import load_splits, token_stream
 from tcal.init import init_student
 from tcal.pipeline import RunContext, run
-from tcal.retention import POLICIES, select_layers
+from tcal.registry import POLICIES
+from tcal.retention import select_layers
 from tcal.retention.ga_s2 import probes
 from tcal.retention.uniform import uniform_layers
 from tcal.settings.retention import num_kept
@@ -134,7 +134,9 @@ def test_uniform_rule(num_layers, ratio):
     assert keep == expected
     assert len(keep) == len(set(keep)) == k >= 1 and keep[0] == 0 and keep[-1] < num_layers
     ctx = SimpleNamespace(num_layers=num_layers)  # uniform reads nothing else
-    assert POLICIES["uniform"](OmegaConf.create({"name": "uniform", "ratio": ratio}), ctx).keep_layers == expected
+    assert POLICIES["uniform"].make_settings(ratio=ratio).kept(num_layers) == k
+    uniform = POLICIES["uniform"]
+    assert uniform.implementation(uniform.make_settings(ratio=ratio), ctx).keep_layers == expected
 
 
 def test_uniform_examples_and_tiny_ratios():
@@ -300,10 +302,10 @@ def test_selection_reads_only_the_calibration_split(policy, init, make_ctx, teac
 def test_ratio_outside_unit_interval(policy, ratio):
     with pytest.raises(ValueError, match=rf"^retention.ratio={float(ratio)} must lie in \(0, 1\]"):
         compose("teacher=tiny_llama", f"retention={policy}", f"retention.ratio={ratio}")
-    cfg = SimpleNamespace(name=policy, ratio=ratio)  # settings built without their checks
+    retention = SimpleNamespace(name=policy, ratio=ratio)  # settings built without their checks
     ctx = SimpleNamespace(num_layers=L)  # fails before touching teacher, data or cache
     with pytest.raises(ValueError, match=rf"retention.ratio={float(ratio)} must lie in \(0, 1\]"):
-        POLICIES[policy](cfg, ctx)
+        POLICIES[policy].implementation(retention, ctx)
 
 
 @pytest.mark.parametrize("keep, match", [
@@ -312,11 +314,11 @@ def test_ratio_outside_unit_interval(policy, ratio):
     ([1, 3, 1], r"keep_layers repeats \[1\]"),
 ])
 def test_explicit_bad_indices(keep, match):
-    cfg = OmegaConf.create({"name": "explicit", "keep": keep})
+    explicit = POLICIES["explicit"]
     with pytest.raises(ValueError, match=match):
-        POLICIES["explicit"](cfg, SimpleNamespace(num_layers=L))
-    assert POLICIES["explicit"](OmegaConf.create({"name": "explicit", "keep": [3, 0]}),
-                                SimpleNamespace(num_layers=L)).keep_layers == [0, 3]
+        explicit.implementation(SimpleNamespace(name="explicit", keep=keep), SimpleNamespace(num_layers=L))
+    kept = explicit.implementation(explicit.make_settings(keep=[3, 0]), SimpleNamespace(num_layers=L)).keep_layers
+    assert kept == [0, 3]
 
 
 @pytest.mark.parametrize("policy", ["uniform", "ar", "ga_s2"])

@@ -14,6 +14,7 @@ from conftest import compose
 
 import tcal.settings as settings_package
 from tcal.settings.fields import PRODUCTS, Settings, relevance, setting
+from tcal.settings.init import InitSettings
 from tcal.settings.relevance import KEYED_BY, cache_settings, differences, leaves, levels, with_values
 from tcal.store.fingerprint import digest
 
@@ -132,7 +133,7 @@ def test_relevance_levels():
 def test_a_recorded_settings_tree_reads_back_as_the_same_settings():
     import json
 
-    from tcal.settings.compose import run_settings
+    from tcal.settings.conversion import run_settings
 
     for overrides in COMPOSITIONS:
         settings = compose(*overrides)
@@ -140,7 +141,8 @@ def test_a_recorded_settings_tree_reads_back_as_the_same_settings():
 
 
 def test_only_the_converter_and_the_entry_points_read_a_dictconfig():
-    allowed = {"settings/compose.py", "cli/app.py", "cli/sweep.py", "cli/rank.py"}
+    allowed = {"settings/compose.py", "settings/schemas.py", "settings/conversion.py", "cli/app.py", "cli/sweep.py",
+               "cli/rank.py"}
     readers = sorted(path.relative_to(SRC).as_posix() for path in SRC.rglob("*.py")
                      if re.search(r"^\s*(from|import) (omegaconf|hydra)\b", path.read_text(), re.M))
     assert set(readers) <= allowed, set(readers) - allowed
@@ -148,20 +150,19 @@ def test_only_the_converter_and_the_entry_points_read_a_dictconfig():
 
 def test_the_implementations_serve_exactly_the_names_the_settings_allow():
     from tcal.data.documents import SOURCES
-    from tcal.init import INIT_MODES
     from tcal.init.calibration.phase1 import PHASE1_RULES
-    from tcal.retention import POLICIES
+    from tcal.registry import INIT_MODES, POLICIES
+    from tcal.settings.compose import group_options
     from tcal.settings.data import SOURCES as DATA_SOURCES
-    from tcal.settings.init import INIT_OPTIONS
     from tcal.settings.init import PHASE1_RULES as RULES
-    from tcal.settings.retention import RETENTION_OPTIONS
     from tcal.settings.stage import KINDS
     from tcal.settings.teacher import DTYPES as DTYPE_NAMES
     from tcal.teachers.load import DTYPES
     from tcal.training.stages import STAGES
 
-    assert INIT_MODES.names() == sorted(INIT_OPTIONS)
-    assert POLICIES.names() == sorted(RETENTION_OPTIONS)
+    assert INIT_MODES.names() == group_options("init") and len(INIT_MODES.names()) == 7
+    assert POLICIES.names() == group_options("retention") and len(POLICIES.names()) == 5
+    assert all(issubclass(o.settings, InitSettings) for o in INIT_MODES.options())
     assert tuple(PHASE1_RULES) == RULES
     assert sorted(SOURCES) == sorted(DATA_SOURCES)
     assert sorted(STAGES) == sorted(KINDS)

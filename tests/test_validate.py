@@ -240,8 +240,8 @@ def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     (["-m", "init=glob(zz*)"], r"^init=glob\(zz\*\): matches none of init's options \(full, full_plus, "),
     (["-m", "seed=glob(*)"], r"^seed=glob\(\*\): glob\(...\) sweeps the options of a config group, and seed is "
                              r"not one"),
-    (["-m", "retention.ratio=interval(0,1)"], r"^retention.ratio=interval\(0,1\): BasicSweeper does not support "
-                                              r"sweep type : INTERVAL_SWEEP; expected sweeps of lists of values"),
+    (["-m", "retention.ratio=interval(0,1)"], r"^retention.ratio=interval\(0,1\): an interval sweep has no list of "
+                                              r"values to run one job each; expected sweeps of lists of values"),
 ])
 def test_overrides_hydra_cannot_apply_are_one_error_before_any_job(args, match):
     with pytest.raises(ConfigError, match=match) as info:

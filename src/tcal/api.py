@@ -190,8 +190,8 @@ def select_layers(teacher: Teacher, splits: Splits, retention: RetentionSettings
     settings = step_settings(teacher, retention=retention, init=init or InitSettings(), calibration=calibration,
                              seed=seed, data=data, trainer=trainer)
     check_keep_list(settings, teacher.num_layers)
-    lengths = [("retention.seq_len", retention.seq_len)] if hasattr(retention, "seq_len") else []
-    if retention.name == "ga_s2" or getattr(retention, "probe", None) == "gdn":
+    lengths = retention.teacher_lengths()
+    if retention.initializes_layers():
         lengths.append(("calibration.seq_len", settings.calibration.seq_len))
     check_fit(lengths, context_length(teacher))
     ctx = context(teacher, splits, settings, cache_dir, ranks=ranks)

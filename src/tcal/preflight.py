@@ -18,13 +18,7 @@ from pathlib import Path
 import torch
 
 from tcal.errors import ConfigError
-from tcal.settings import RunSettings
-from tcal.settings.retention import (
-    ExplicitRetentionSettings,
-    RecallRetentionSettings,
-    ScoredRetentionSettings,
-    num_kept,
-)
+from tcal.settings import RunSettings, SettingError
 
 
 def check_machine(settings: RunSettings) -> None:
@@ -176,28 +170,15 @@ def check_teacher_shape(settings: RunSettings, num_layers: int | None, context: 
     check_fit(settings.teacher_lengths(), context)
 
 
-def kept_layers(retention, num_layers: int) -> int:
-    return len(set(retention.keep)) if isinstance(retention, ExplicitRetentionSettings) else \
-        num_kept(retention.ratio, num_layers)
-
-
 def check_keep_list(settings: RunSettings, num_layers: int) -> None:
     retention = settings.retention
-    if isinstance(retention, ExplicitRetentionSettings):
-        from tcal.student.convert import validate_keep_layers
-
-        try:
-            validate_keep_layers(list(retention.keep), num_layers)
-        except ValueError as err:  # the student's words (`keep_layers`) told as the key the user wrote
-            raise ConfigError(f"retention.keep={list(retention.keep)}: {str(err).replace('keep_layers ', '')}") from None
-    kept = kept_layers(retention, num_layers)
-    if isinstance(retention, RecallRetentionSettings) and retention.scored is not None and retention.scored > kept:
-        raise ConfigError(f"retention.scored={retention.scored} is more than the {kept} layers "
-                          f"retention.ratio={retention.ratio} keeps of {num_layers}")
-    if "align" in [stage.kind for _, stage in settings.stage.stages()] and kept >= num_layers:
-        what = f"retention.keep={list(retention.keep)}" if isinstance(retention, ExplicitRetentionSettings) else \
-            f"retention.ratio={retention.ratio}"
-        raise ConfigError(f"stage={settings.stage.name}: Stage 1 aligns the converted layers, but {what} keeps all "
+    try:
+        retention.check_keep(num_layers)
+    except SettingError as err:
+        raise err.placed("retention.") from None
+    if "align" in [stage.kind for _, stage in settings.stage.stages()] and retention.kept(num_layers) >= num_layers:
+        raise ConfigError(f"stage={settings.stage.name}: Stage 1 aligns the converted layers, but "
+                          f"retention.{retention.keep_setting()} keeps all "
                           f"{num_layers} layers of the teacher; expected a keep list that converts at least one layer, "
                           f"or stage=distill")
 
@@ -245,15 +226,15 @@ def check_recall_room(ctx) -> None:
     """The probe sequences of `retention=recall` can be cut from the calibration split (they are built now, as the
     policy will build them: a few thousand tokens), so a short split or sequence fails before any work."""
     retention = ctx.settings.retention
-    if not isinstance(retention, RecallRetentionSettings) or kept_layers(retention, ctx.num_layers) == ctx.num_layers:
+    probe = retention.needle_probe()
+    if probe is None or retention.kept(ctx.num_layers) == ctx.num_layers:
         return
     from tcal.data.needles import probe_batch
 
     try:
-        probe_batch(ctx.splits.calibration, ctx.tokenizer, retention.seq_len, retention.num_prompts,
-                    retention.probe_seed)
+        probe_batch(ctx.splits.calibration, ctx.tokenizer, *probe)
     except ValueError as err:
-        raise ConfigError(f"retention.seq_len={retention.seq_len}: {err}") from None
+        raise ConfigError(f"retention.seq_len={probe[0]}: {err}") from None
 
 
 def check_ruler_room(ctx, ruler=None) -> None:
@@ -281,25 +262,13 @@ def check_split_tokens(ctx, steps: tuple[str, ...] = ("init", "retention", "eval
     scoring windows, evaluation windows per eval set (a short eval file is named). `steps`: those of the run's
     steps to check (an API step checks its own)."""
     from tcal.data.documents import eval_sets, token_stream
-    from tcal.settings import CalibratedInitSettings, FullPlusSettings
 
     settings = ctx.settings
-    needs = []  # (what, tokens needed, documents, where they come from)
-    cal = settings.calibration
-    if "init" in steps and isinstance(settings.init, CalibratedInitSettings):
-        windows = 2 * cal.batch_size - 1 if cal.check and cal.batch_size > 1 else cal.batch_size
-        needs.append((f"calibration.batch_size={cal.batch_size} windows of calibration.seq_len={cal.seq_len}"
-                      + (" (with calibration.check=true, the unseen windows between them too)" if cal.check else ""),
-                      windows * cal.seq_len, ctx.splits.calibration, "the calibration split"))
-    if "init" in steps and isinstance(settings.init, FullPlusSettings):
-        pool = settings.init.pool
-        needs.append((f"init.pool.tokens={pool.tokens} (windows of calibration.seq_len={cal.seq_len})",
-                      pool.tokens, ctx.splits.calibration, "the calibration split"))
-    ret = settings.retention
-    if "retention" in steps and isinstance(ret, ScoredRetentionSettings) and \
-            kept_layers(ret, ctx.num_layers) < ctx.num_layers:
-        needs.append((f"retention.num_windows={ret.num_windows} windows of retention.seq_len={ret.seq_len}",
-                      ret.num_windows * ret.seq_len, ctx.splits.calibration, "the calibration split"))
+    calibration_needs = settings.init.split_needs(settings.calibration) if "init" in steps else []
+    if "retention" in steps and settings.retention.kept(ctx.num_layers) < ctx.num_layers:
+        calibration_needs += settings.retention.split_needs()
+    # (what, tokens needed, documents, where they come from)
+    needs = [(what, tokens, ctx.splits.calibration, "the calibration split") for what, tokens in calibration_needs]
     files = {Path(p).stem: str(p) for p in settings.data.eval_files}
     ev = settings.eval
     for name, docs in eval_sets(settings.data, ctx.splits).items() if "eval" in steps else ():

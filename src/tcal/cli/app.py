@@ -1,6 +1,6 @@
 """`tcal`: the Hydra entry of the main job (see conf/config.yaml).
 
-The entry composes, converts the config into typed settings once (`tcal.settings.compose.run_settings`) and hands
+The entry composes, converts the config into typed settings once (`tcal.settings.conversion.run_settings`) and hands
 them to the library (`tcal.pipeline.run`). Before Hydra starts a job, every job of the command is composed and
 converted here (`check_arguments`), so a bad setting is one line and exit code 2, before any work, and a sweep
 with one bad job runs none.
@@ -33,9 +33,10 @@ from tcal.settings.compose import (
     one_job_per_group_choice,
     parse,
     planned_jobs,
-    register_schemas,
-    run_settings,
+    plugin_search_path,
 )
+from tcal.settings.conversion import run_settings
+from tcal.settings.schemas import register_schemas
 from tcal.store.files import WriteFailed, in_the_way
 from tcal.store.record import RESULTS, RecordError, load_record, read_record
 
@@ -225,6 +226,7 @@ def main() -> None:
         check_arguments(sys.argv[1:])
     except ConfigError as err:
         config_error_exit(err)
+    sys.argv += plugin_search_path()  # the plugin packages' options (TCAL_PLUGINS), as `compose` finds them
     try:
         with handling():
             hydra_main()

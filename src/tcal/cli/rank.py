@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     from tcal.errors import ConfigError, Divergence
     from tcal.runtime.distributed import launch
     from tcal.runtime import signals
-    from tcal.settings.compose import run_settings
+    from tcal.settings.conversion import run_settings
     from tcal.store.record import describe
 
     spec = json.loads(Path((argv if argv is not None else sys.argv[1:])[0]).read_text(encoding="utf-8"))

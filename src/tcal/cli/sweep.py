@@ -74,7 +74,7 @@ def job_config(cfg) -> dict | None:
     (a job refused for a bad setting has no settings), else nothing."""
     from omegaconf import OmegaConf
 
-    from tcal.settings.compose import run_settings
+    from tcal.settings.conversion import run_settings
 
     try:
         return run_settings(cfg).tree()

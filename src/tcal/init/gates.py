@@ -2,20 +2,21 @@
 
 import torch
 
-from tcal.init import INIT_MODES
+from tcal.registry import INIT_MODES
+from tcal.settings.init import GateInitSettings, InitSettings
 
 
-@INIT_MODES.register("zero_gate")
+@INIT_MODES.option("zero_gate", InitSettings)
 @torch.no_grad()
-def zero_gate(gdns, cfg, ctx) -> dict:
+def zero_gate(gdns, init: InitSettings, ctx) -> dict:
     for gdn in gdns.values():
         gdn.g_proj.weight.zero_()
     return {}
 
 
-@INIT_MODES.register("small_gate")
+@INIT_MODES.option("small_gate", GateInitSettings)
 @torch.no_grad()
-def small_gate(gdns, cfg, ctx) -> dict:
+def small_gate(gdns, init: GateInitSettings, ctx) -> dict:
     for gdn in gdns.values():
-        gdn.g_proj.weight.mul_(float(cfg.gate_scale))
-    return {"gate_scale": float(cfg.gate_scale)}
+        gdn.g_proj.weight.mul_(float(init.gate_scale))
+    return {"gate_scale": float(init.gate_scale)}

@@ -1,8 +1,9 @@
 """`naive`: conversion only; the dynamics stay at fla's defaults."""
 
-from tcal.init import INIT_MODES
+from tcal.registry import INIT_MODES
+from tcal.settings.init import InitSettings
 
 
-@INIT_MODES.register("naive")
-def naive(gdns, cfg, ctx) -> dict:
+@INIT_MODES.option("naive", InitSettings)
+def naive(gdns, init: InitSettings, ctx) -> dict:
     return {}

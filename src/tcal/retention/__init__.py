@@ -1,16 +1,15 @@
 """Retained-layer policies: which layers stay softmax attention (docs/method.md, section "Retained-layer policies").
 
-A policy is `fn(cfg, ctx) -> Selection`, registered by name; `cfg` is the `retention` config node and `ctx`
-the run's `RunContext` (teacher, tokenizer, data splits, init config, cache folder).
+A policy is an option of `tcal.registry.POLICIES`, `fn(retention, ctx) -> Selection`: `retention` is the policy's
+settings (its registered class), `ctx` the run's `RunContext` (teacher, tokenizer, data splits, init settings,
+cache folder).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tcal.registry import Registry
-
-POLICIES = Registry("retention policy", __name__)
+from tcal.registry import POLICIES
 
 
 @dataclass
@@ -20,5 +19,5 @@ class Selection:
     details: dict = field(default_factory=dict)  # what a policy measured besides the scores (results.json)
 
 
-def select_layers(cfg, ctx) -> Selection:
-    return POLICIES[cfg.name](cfg, ctx)
+def select_layers(retention, ctx) -> Selection:
+    return POLICIES[retention.name].implementation(retention, ctx)

@@ -13,10 +13,12 @@ from contextlib import contextmanager
 import torch
 
 from tcal.evaluate.perplexity import perplexity
-from tcal.retention import POLICIES, Selection
+from tcal.registry import POLICIES
+from tcal.retention import Selection
 from tcal.retention.cache import scored_selection, scoring_windows
 from tcal.runtime.distributed import Ranks
 from tcal.runtime.progress import progress
+from tcal.settings.retention import ScoredRetentionSettings
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,8 @@ def bypass_perplexities(teacher, windows: torch.Tensor, batch_size: int, ranks: 
     return ranks.merge(scores)
 
 
-@POLICIES.register("ar")
-def ar(cfg, ctx) -> Selection:
+@POLICIES.option("ar", ScoredRetentionSettings)
+def ar(retention: ScoredRetentionSettings, ctx) -> Selection:
     """Keep the layers whose attention bypass raises perplexity most."""
-    return scored_selection(cfg, ctx, lambda: bypass_perplexities(ctx.teacher, scoring_windows(cfg, ctx),
-                                                                  int(cfg.batch_size), ctx.ranks), highest=True)
+    return scored_selection(retention, ctx, lambda: bypass_perplexities(ctx.teacher, scoring_windows(retention, ctx),
+                                                                  int(retention.batch_size), ctx.ranks), highest=True)

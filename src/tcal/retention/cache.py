@@ -26,9 +26,9 @@ from tcal.store.fingerprint import digest, teacher_fingerprint, tensor_bytes
 
 log = logging.getLogger(__name__)
 
-def scoring_windows(cfg, ctx) -> torch.Tensor:
+def scoring_windows(retention, ctx) -> torch.Tensor:
     """[num_windows, seq_len] tokens from the calibration split (never the evaluation split)."""
-    return token_windows(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
+    return token_windows(ctx.splits.calibration, ctx.tokenizer, int(retention.seq_len), int(retention.num_windows))
 
 
 def calibration_tokens_digest(ctx) -> str:
@@ -37,21 +37,21 @@ def calibration_tokens_digest(ctx) -> str:
     return digest(stream.numel(), tensor_bytes(stream))
 
 
-def selection_key(cfg, ctx, also: tuple[str, ...] = ()) -> tuple[str, dict]:
-    """(digest, the parts it was built from) for the scores of policy `cfg.name` (`also`: the products besides
+def selection_key(retention, ctx, also: tuple[str, ...] = ()) -> tuple[str, dict]:
+    """(digest, the parts it was built from) for the scores of policy `retention.name` (`also`: the products besides
     the scores that they depend on)."""
     parts = {
         "teacher": teacher_fingerprint(ctx.teacher),
-        "policy": str(cfg.name),
+        "policy": str(retention.name),
         "settings": cache_settings("retention", ctx.settings, also),
         "calibration_tokens": calibration_tokens_digest(ctx),
     }
     return digest(parts), parts
 
 
-def score_folder(cfg, ctx) -> Path | None:
+def score_folder(retention, ctx) -> Path | None:
     """Where scores are cached (none with `retention.cache=false`)."""
-    return ctx.cache_dir / "retention" if cfg.cache else None
+    return ctx.cache_dir / "retention" if retention.cache else None
 
 
 def score_codec(key: str, parts: dict) -> Codec[dict[int, float]]:
@@ -61,14 +61,15 @@ def score_codec(key: str, parts: dict) -> Codec[dict[int, float]]:
                       lambda record: {int(k): float(v) for k, v in record["scores"].items()})
 
 
-def cached_scores(cfg, ctx, score: Callable[[], dict[int, float]], also: tuple[str, ...] = ()) -> dict[int, float]:
+def cached_scores(retention, ctx, score: Callable[[], dict[int, float]],
+                  also: tuple[str, ...] = ()) -> dict[int, float]:
     """Per-layer scores from the cache (`tcal.store.cache`, kind `retention`), or from `score()` (then saved)."""
-    key, parts = selection_key(cfg, ctx, also)
+    key, parts = selection_key(retention, ctx, also)
 
     def compute() -> dict[int, float]:
         return {int(i): finite_or_inf(s) for i, s in score().items()}
 
-    return get_or_build("retention", f"{cfg.name}-{key}", compute, folder=score_folder(cfg, ctx),
+    return get_or_build("retention", f"{retention.name}-{key}", compute, folder=score_folder(retention, ctx),
                         codec=score_codec(key, parts), ranks=ctx.ranks)
 
 
@@ -84,17 +85,18 @@ def top_k(scores: dict[int, float], k: int, highest: bool) -> list[int]:
     return sorted(order[:k])
 
 
-def scored_selection(cfg, ctx, score: Callable[[], dict[int, float]], highest: bool, also: tuple[str, ...] = ()):
+def scored_selection(retention, ctx, score: Callable[[], dict[int, float]], highest: bool, also: tuple[str, ...] = ()):
     """Keep the K best-scoring layers (cached scores); K = L keeps everything without scoring."""
     from tcal.retention import Selection
     from tcal.settings.retention import num_kept
 
     num_layers = ctx.num_layers
-    k = num_kept(cfg.ratio, num_layers)
+    k = num_kept(retention.ratio, num_layers)
     if k == num_layers:
-        log.info("retention %s: ratio %s keeps all %d layers; nothing to score", cfg.name, cfg.ratio, num_layers)
+        log.info("retention %s: ratio %s keeps all %d layers; nothing to score", retention.name, retention.ratio,
+                 num_layers)
         return Selection(list(range(num_layers)))
-    scores = cached_scores(cfg, ctx, score, also)
+    scores = cached_scores(retention, ctx, score, also)
     keep = top_k(scores, k, highest)
-    log.info("retention %s: scores %s -> keep %s", cfg.name, {i: round(v, 2) for i, v in scores.items()}, keep)
+    log.info("retention %s: scores %s -> keep %s", retention.name, {i: round(v, 2) for i, v in scores.items()}, keep)
     return Selection(keep, scores)

@@ -1,9 +1,10 @@
 """`explicit`: the layers listed in `retention.keep`."""
 
-from tcal.retention import POLICIES, Selection
-from tcal.student.convert import validate_keep_layers
+from tcal.registry import POLICIES
+from tcal.retention import Selection
+from tcal.settings.retention import ExplicitRetentionSettings, validate_keep_layers
 
 
-@POLICIES.register("explicit")
-def explicit(cfg, ctx) -> Selection:
-    return Selection(validate_keep_layers(cfg.keep, ctx.num_layers))
+@POLICIES.option("explicit", ExplicitRetentionSettings)
+def explicit(retention: ExplicitRetentionSettings, ctx) -> Selection:
+    return Selection(validate_keep_layers(retention.keep, ctx.num_layers))

@@ -18,11 +18,12 @@ import torch
 
 from tcal.evaluate.perplexity import perplexity
 from tcal.init import apply_init
-from tcal.retention import POLICIES, Selection
+from tcal.registry import POLICIES
+from tcal.retention import Selection
 from tcal.retention.cache import scored_selection, scoring_windows
 from tcal.runtime.progress import progress
 from tcal.settings.fields import INIT
-from tcal.settings.retention import num_kept
+from tcal.settings.retention import GaS2RetentionSettings, num_kept
 from tcal.student.convert import build_student, naive_gdn
 from tcal.student.hybrid import LINEAR, HybridForCausalLM, teacher_layer_types
 from tcal.teachers import adapter_for
@@ -74,13 +75,13 @@ def probe_perplexities(ctx, gdns: dict, windows: torch.Tensor, batch_size: int) 
     return ctx.ranks.merge(scores)
 
 
-@POLICIES.register("ga_s2")
-def ga_s2(cfg, ctx) -> Selection:
+@POLICIES.option("ga_s2", GaS2RetentionSettings)
+def ga_s2(retention: GaS2RetentionSettings, ctx) -> Selection:
     """Keep the layers whose single-softmax probe student has the lowest perplexity (init-dependent)."""
-    num_kept(cfg.ratio, ctx.num_layers)  # a bad ratio fails before anything is read
+    num_kept(retention.ratio, ctx.num_layers)  # a bad ratio fails before anything is read
 
     def score() -> dict[int, float]:
-        windows = scoring_windows(cfg, ctx)
-        return probe_perplexities(ctx, initialized_gdns(ctx), windows, int(cfg.batch_size))
+        windows = scoring_windows(retention, ctx)
+        return probe_perplexities(ctx, initialized_gdns(ctx), windows, int(retention.batch_size))
 
-    return scored_selection(cfg, ctx, score, highest=False, also=(INIT,))
+    return scored_selection(retention, ctx, score, highest=False, also=(INIT,))

@@ -46,23 +46,23 @@ from torch import nn
 
 from tcal.data.needles import ANSWER, TEXT, probe_batch
 from tcal.evaluate.perplexity import token_nll
-from tcal.retention import POLICIES, Selection
+from tcal.registry import POLICIES
+from tcal.retention import Selection
 from tcal.retention.ar import attention_bypassed
 from tcal.retention.cache import score_folder, selection_key, top_k
-from tcal.retention.uniform import uniform_layers
 from tcal.runtime.progress import progress
 from tcal.settings.fields import INIT
-from tcal.settings.retention import FILLS, PROBES, num_kept
+from tcal.settings.retention import FILLS, PROBES, RecallRetentionSettings, num_kept, uniform_layers
 from tcal.store.cache import get_or_build, json_codec
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
 
 
-def probe_sequences(cfg, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+def probe_sequences(retention, ctx) -> tuple[torch.Tensor, torch.Tensor]:
     """([num_prompts, seq_len] ids, labels) cut from the calibration split, drawn from `probe_seed`."""
-    return probe_batch(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_prompts),
-                       int(cfg.probe_seed))
+    return probe_batch(ctx.splits.calibration, ctx.tokenizer, int(retention.seq_len), int(retention.num_prompts),
+                       int(retention.probe_seed))
 
 
 @torch.no_grad()
@@ -216,55 +216,56 @@ def keep_list(chosen: list[int], text_rise: dict[int, float], k: int, fill: str,
     raise ValueError(f"retention.fill={fill!r}; expected one of {', '.join(FILLS)}")
 
 
-@POLICIES.register("recall")
-def recall(cfg, ctx) -> Selection:
+@POLICIES.option("recall", RecallRetentionSettings)
+def recall(retention: RecallRetentionSettings, ctx) -> Selection:
     """Keep the layers whose removal costs the teacher's retrieval beyond the probe's noise and its cost on
     ordinary text, then fill the rest."""
     num_layers = ctx.num_layers
-    k = num_kept(cfg.ratio, num_layers)
-    if cfg.probe not in PROBES:
-        raise ValueError(f"retention.probe={cfg.probe!r}; expected one of {', '.join(PROBES)}")
+    k = num_kept(retention.ratio, num_layers)
+    if retention.probe not in PROBES:
+        raise ValueError(f"retention.probe={retention.probe!r}; expected one of {', '.join(PROBES)}")
     if k == num_layers:
-        log.info("retention recall: ratio %s keeps all %d layers; nothing to score", cfg.ratio, num_layers)
+        log.info("retention recall: ratio %s keeps all %d layers; nothing to score", retention.ratio, num_layers)
         return Selection(list(range(num_layers)))
-    key, parts = selection_key(cfg, ctx, (INIT,) if cfg.probe == "gdn" else ())
+    key, parts = selection_key(retention, ctx, (INIT,) if retention.probe == "gdn" else ())
 
     def compute() -> dict:
         start = time.perf_counter()
-        ids, labels = probe_sequences(cfg, ctx)
+        ids, labels = probe_sequences(retention, ctx)
         gdns = None
-        if cfg.probe == "gdn":
+        if retention.probe == "gdn":
             from tcal.retention.ga_s2 import initialized_gdns
 
             gdns = initialized_gdns(ctx)
-        losses = probe_losses(ctx.teacher, ids, labels, int(cfg.batch_size), ctx.ranks, gdns,
-                              desc=f"retention recall ({cfg.probe}): probe loss")
+        losses = probe_losses(ctx.teacher, ids, labels, int(retention.batch_size), ctx.ranks, gdns,
+                              desc=f"retention recall ({retention.probe}): probe loss")
         return {"losses": losses, "seconds": round(time.perf_counter() - start, 3),
                 "tokens": int(ids.numel()) * (num_layers + 1),
-                "answer_tokens": int((labels[:, 1:] == ANSWER).sum()), "text_tokens": int((labels[:, 1:] == TEXT).sum())}
+                "answer_tokens": int((labels[:, 1:] == ANSWER).sum()),
+                "text_tokens": int((labels[:, 1:] == TEXT).sum())}
 
     codec = json_codec(lambda value: {"key": key, "parts": parts, "value": value}, lambda record: record["value"])
-    folder = score_folder(cfg, ctx)
+    folder = score_folder(retention, ctx)
     probe = get_or_build("retention", f"recall-by-sequence-{key}", compute, folder=folder, codec=codec,
                          ranks=ctx.ranks)
     figures = recall_scores(probe["losses"])
     scores, se = figures["score"], figures["se"]
-    chosen = chosen_by_score(scores, se, k, cfg.scored, float(cfg.noise_z))
-    keep = keep_list(chosen, figures["text_rise"], k, cfg.fill, num_layers)
+    chosen = chosen_by_score(scores, se, k, retention.scored, float(retention.noise_z))
+    keep = keep_list(chosen, figures["text_rise"], k, retention.fill, num_layers)
     rank = {i: r + 1 for r, i in enumerate(sorted(scores, key=lambda i: (-scores[i], i)))}
-    rule = "override" if cfg.scored is not None else f"score - {cfg.noise_z} * se > 0"
+    rule = "override" if retention.scored is not None else f"score - {retention.noise_z} * se > 0"
     log.info("retention recall: scores %s -> keep %s (by the score: %s, %s; %.1f s of scoring)",
              {i: f"{v:.3f}±{se[i]:.3f}" for i, v in scores.items()}, keep, sorted(chosen), rule, probe["seconds"])
     base = torch.tensor(probe["losses"]["base"], dtype=torch.float64).mean(0).tolist()
-    details = {"probe": str(cfg.probe), "scored_layers": sorted(chosen), "fill": str(cfg.fill),
-               "scored": cfg.scored, "rule": rule, "noise_z": float(cfg.noise_z),
-               "above_noise": above_noise(scores, se, float(cfg.noise_z)),
+    details = {"probe": str(retention.probe), "scored_layers": sorted(chosen), "fill": str(retention.fill),
+               "scored": retention.scored, "rule": rule, "noise_z": float(retention.noise_z),
+               "above_noise": above_noise(scores, se, float(retention.noise_z)),
                "rank": {str(i): r for i, r in rank.items()},
                "se": {str(i): v for i, v in sorted(se.items())},
                "answer_rise": {str(i): v for i, v in sorted(figures["answer_rise"].items())},
                "text_rise": {str(i): v for i, v in sorted(figures["text_rise"].items())},
                "base_answer_nll": base[0], "base_text_nll": base[1], "sequences": len(probe["losses"]["base"]),
-               "seq_len": int(cfg.seq_len), "probe_seed": int(cfg.probe_seed),
+               "seq_len": int(retention.seq_len), "probe_seed": int(retention.probe_seed),
                "seconds": probe["seconds"], "tokens": probe["tokens"], "answer_tokens": probe["answer_tokens"],
                "text_tokens": probe["text_tokens"]}
     return Selection(keep, scores, details)

@@ -1,14 +1,12 @@
 """`uniform`: every (L / K)-th layer from layer 0 (L=28, K=7: 0, 4, ..., 24)."""
 
-from tcal.retention import POLICIES, Selection
-from tcal.settings.retention import num_kept
+from tcal.registry import POLICIES
+from tcal.retention import Selection
+from tcal.settings.retention import RetentionSettings, uniform_layers
+
+__all__ = ["uniform", "uniform_layers"]
 
 
-def uniform_layers(num_layers: int, ratio: float) -> list[int]:
-    k = num_kept(ratio, num_layers)
-    return [i * num_layers // k for i in range(k)]
-
-
-@POLICIES.register("uniform")
-def uniform(cfg, ctx) -> Selection:
-    return Selection(uniform_layers(ctx.num_layers, cfg.ratio))
+@POLICIES.option("uniform", RetentionSettings)
+def uniform(retention: RetentionSettings, ctx) -> Selection:
+    return Selection(uniform_layers(ctx.num_layers, retention.ratio))

@@ -1,6 +1,6 @@
 """Typed settings: one closed dataclass per config group, each checking its own fields and declaring what they
 change (`tcal.settings.fields`); `RunSettings` holds one run's. `tcal` converts its composed config into them once
-(`tcal.settings.compose.run_settings`); the library, the API and the tools read nothing else."""
+(`tcal.settings.conversion.run_settings`); the library, the API and the tools read nothing else."""
 
 from tcal.settings.data import DataSettings, HubDataSettings
 from tcal.settings.evaluation import (
@@ -26,6 +26,7 @@ from tcal.settings.init import (
 )
 from tcal.settings.retention import (
     ExplicitRetentionSettings,
+    GaS2RetentionSettings,
     RecallRetentionSettings,
     RetentionSettings,
     ScoredRetentionSettings,

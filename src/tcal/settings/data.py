@@ -38,6 +38,8 @@ class DataSettings(Settings):
     store under `paths.cache_dir` (`max_tokens` caps it; `shard_tokens` and `workers` change how it is written,
     never its tokens)."""
 
+    schema = "data/data"
+
     name: str = setting("shakespeare", affects=[PPL])  # the held-out split's name as an eval set
     source: str = setting("shakespeare", affects=EVERYTHING)
     files: List[str] = setting(affects=EVERYTHING, factory=list)  # with source=files: local .txt / .jsonl documents
@@ -83,6 +85,8 @@ class HubDataSettings(DataSettings):
     """`source=datasets`: rows of a dataset of the hub (or a local builder with `data_files`). With `streaming`
     the rows are read as a stream and never held together: the first `calibration_docs + evaluation_docs` documents
     are held out (`tcal.data.documents.streamed_splits`), every later one is training text."""
+
+    schema = "data/hub"
 
     name: str = setting("wikitext", affects=[PPL])
     source: str = setting("datasets", affects=EVERYTHING)

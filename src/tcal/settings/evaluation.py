@@ -18,6 +18,7 @@ from tcal.settings.fields import (
     declared,
     is_int,
     one_of,
+    option_classes,
     optional_positive_int,
     positive_int,
     setting,
@@ -33,16 +34,20 @@ NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue")  # read one s
 class HarnessSettings(Settings):
     """`none`: no lm-eval harness."""
 
+    schema = "eval/harness/none"
+
     name: str = setting("none", affects=[HARNESS])
 
     def check(self) -> None:
-        one_of("name", self.name, sorted(HARNESS_OPTIONS))
+        one_of("name", self.name, sorted(option_classes(HarnessSettings)))
 
 
 @declared
 @dataclass
 class LocalHarnessSettings(HarnessSettings):
     """`local`: lm-eval on tasks built from held-out text (offline)."""
+
+    schema = "eval/harness/local"
 
     name: str = setting("local", affects=[HARNESS])
     n_examples: int = setting(200, affects=[HARNESS])  # examples generated per task
@@ -64,6 +69,8 @@ class LocalHarnessSettings(HarnessSettings):
 class PaperHarnessSettings(HarnessSettings):
     """`paper`: the paper's zero-shot tasks and MMLU 5-shot (needs the dataset hub)."""
 
+    schema = "eval/harness/paper"
+
     name: str = setting("paper", affects=[HARNESS])
     limit: Optional[int] = setting(None, affects=[HARNESS])
     batch_size: int = setting(8, affects=[HARNESS])
@@ -81,16 +88,20 @@ class PaperHarnessSettings(HarnessSettings):
 class RulerSettings(Settings):
     """`none`: no RULER-style needles."""
 
+    schema = "eval/ruler/none"
+
     name: str = setting("none", affects=[RULER])
 
     def check(self) -> None:
-        one_of("name", self.name, sorted(RULER_OPTIONS))
+        one_of("name", self.name, sorted(option_classes(RulerSettings)))
 
 
 @declared
 @dataclass
 class NeedleRulerSettings(RulerSettings):
     """`default`: RULER-style needle-in-a-haystack tasks over held-out text, `n` examples per task and length."""
+
+    schema = "eval/ruler/default"
 
     name: str = setting("default", affects=[RULER])
     lengths: List[int] = setting(affects=[RULER], factory=lambda: [512, 1024, 2048, 4096])
@@ -116,6 +127,8 @@ class EvalSettings(Settings):
     """Perplexity of teacher and student on every eval set (`num_windows` windows of `seq_len` tokens), plus the
     harness and RULER."""
 
+    schema = "eval/eval"
+
     seq_len: int = setting(512, affects=[PPL])
     num_windows: int = setting(16, affects=[PPL])
     batch_size: int = setting(4, affects=[PPL])
@@ -127,7 +140,8 @@ class EvalSettings(Settings):
         positive_int("num_windows", self.num_windows)
         positive_int("batch_size", self.batch_size)
         window_length("seq_len", self.seq_len)
-        for name, options in (("harness", HARNESS_OPTIONS), ("ruler", RULER_OPTIONS)):
+        for name, base in (("harness", HarnessSettings), ("ruler", RulerSettings)):
+            options = option_classes(base)
             if not isinstance(getattr(self, name), tuple(options.values())):
                 raise bad(name, getattr(self, name), f"an option of eval/{name}: {', '.join(options)} "
                                                      f"(eval/{name}=none turns it off)")
@@ -146,7 +160,3 @@ class EvalSettings(Settings):
         if self.ruler.name != "none":
             lengths.append(("eval.ruler.lengths", max(self.ruler.lengths)))
         return lengths
-
-
-HARNESS_OPTIONS = {"none": HarnessSettings, "local": LocalHarnessSettings, "paper": PaperHarnessSettings}
-RULER_OPTIONS = {"none": RulerSettings, "default": NeedleRulerSettings}

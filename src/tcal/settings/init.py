@@ -27,6 +27,7 @@ from tcal.settings.fields import (
     setting,
     window_length,
 )
+from tcal.registry import INIT_MODES
 from tcal.settings.schedule import SCHEDULES
 
 GQA_EXPANSIONS = ("whole_head", "row_repeat")  # how a KV head serves its query heads in the GDN (tcal.student.convert)
@@ -89,6 +90,8 @@ class CalibrationSettings(Settings):
     calibration batch (`batch_size` windows of `seq_len` calibration-split tokens), the recurrence's chunk size,
     the held-out check of every calibrated layer."""
 
+    schema = "calibration/calibration"
+
     batch_size: int = setting(4, affects=[INIT])  # calibration sequences, from the calibration split
     # also the full_plus pool's window length (2,048 measured worse: docs/results.md)
     seq_len: int = setting(256, affects=[INIT])
@@ -123,12 +126,24 @@ class InitSettings(Settings):
     gqa_expansion: str = setting("whole_head", affects=[INIT])
 
     def check(self) -> None:
-        one_of("name", self.name, sorted(INIT_OPTIONS))
+        one_of("name", self.name, INIT_MODES.names())
         one_of("gqa_expansion", self.gqa_expansion, GQA_EXPANSIONS)
 
     def calibrates(self) -> bool:
         """Whether the mode reads the calibration split (and so `calibration.seq_len` of the teacher)."""
         return False
+
+    def check_with(self, calibration: CalibrationSettings) -> None:
+        """What the mode's settings need of `calibration` (SettingError with keys from the run's root)."""
+
+    def calibration_work(self, calibration: CalibrationSettings, n_gdn: int) -> CalibrationWork | None:
+        """The windows the mode reads of the calibration split (`tcal-plan`'s memory, the split's token check);
+        None for a mode that does not calibrate."""
+        return None
+
+    def split_needs(self, calibration: CalibrationSettings) -> list[tuple[str, int]]:
+        """(what, tokens) the mode reads of the calibration split, what naming the keys that set it."""
+        return []
 
 
 @declared
@@ -145,6 +160,19 @@ class CalibratedInitSettings(InitSettings):
 
     def calibrates(self) -> bool:
         return True
+
+    def calibration_work(self, calibration: CalibrationSettings, n_gdn: int) -> CalibrationWork:
+        """The calibration batch and, with `calibration.check`, its held-out check windows."""
+        windows = int(calibration.batch_size)
+        check = windows - 1 if calibration.check and windows > 1 else 0
+        return CalibrationWork(int(calibration.seq_len), windows + check, windows, windows, windows,
+                               "phase2" in self.phases, n_gdn)
+
+    def split_needs(self, calibration: CalibrationSettings) -> list[tuple[str, int]]:
+        work = self.calibration_work(calibration, 1)
+        return [(f"calibration.batch_size={calibration.batch_size} windows of calibration.seq_len={calibration.seq_len}"
+                 + (" (with calibration.check=true, the unseen windows between them too)" if calibration.check else ""),
+                 work.stats_windows * work.seq_len)]
 
 
 @declared
@@ -230,6 +258,23 @@ class FullPlusSettings(InitSettings):
     def calibrates(self) -> bool:
         return True
 
+    def check_with(self, calibration: CalibrationSettings) -> None:
+        self.check_pool(calibration.seq_len)
+        try:
+            self.phase1_settings(calibration)
+        except SettingError as err:
+            raise err.placed("init.phase1.") from None
+
+    def calibration_work(self, calibration: CalibrationSettings, n_gdn: int) -> CalibrationWork:
+        """The pool (`pool.tokens` in windows of `calibration.seq_len`) and minibatches of `phase2.batch_size`."""
+        windows = pool_windows(int(self.pool.tokens), int(calibration.seq_len))
+        return CalibrationWork(int(calibration.seq_len), windows, windows - windows // int(self.pool.held_out_every),
+                               windows, int(self.phase2.batch_size), True, int(self.pool.layers_per_pass or n_gdn))
+
+    def split_needs(self, calibration: CalibrationSettings) -> list[tuple[str, int]]:
+        return [(f"init.pool.tokens={self.pool.tokens} (windows of calibration.seq_len={calibration.seq_len})",
+                 self.pool.tokens)]
+
     def phase1_settings(self, calibration: CalibrationSettings) -> Phase1Settings:
         """`calibration.phase1` with this recipe's overrides."""
         return dataclasses.replace(calibration.phase1, **self.phase1)
@@ -255,16 +300,30 @@ class FullPlusSettings(InitSettings):
                                Key("init.pool.held_out_every"), f"={every} held out)")
 
 
-# The settings class of each init mode (`init.name`).
-INIT_OPTIONS = {"naive": InitSettings, "zero_gate": InitSettings, "small_gate": GateInitSettings,
-                "phase1": CalibratedInitSettings, "phase2": CalibratedInitSettings, "full": CalibratedInitSettings,
-                "full_plus": FullPlusSettings}
+@dataclass(frozen=True)
+class CalibrationWork:
+    """The windows an init mode calibrates on: those of the statistics (host memory), of its teacher forward, of its
+    Phase 2 tensors on the device and of one Phase 2 step; and how many layers' statistics are held at once."""
+
+    seq_len: int
+    stats_windows: int
+    forward_windows: int
+    device_windows: int
+    step_windows: int
+    phase2: bool
+    layers_at_once: int
+
+
+def pool_windows(tokens: int, seq_len: int) -> int:
+    """Windows in a pool of `tokens` calibration tokens cut into windows of `seq_len`: longer windows, fewer of
+    them, the same budget (16,384 tokens are 64 windows of 256 or 8 of 2,048)."""
+    if seq_len < 1 or tokens % seq_len:
+        raise ValueError(f"a pool of {tokens} tokens does not cut into whole windows of {seq_len} tokens")
+    return tokens // seq_len
 
 
 def init_settings(name: str, **changes) -> InitSettings:
     """The default settings of init mode `name` (as conf/init/<name>.yaml gives them), with `changes`."""
-    if name not in INIT_OPTIONS:
-        raise SettingError(Key("name"), f"={name!r}; expected one of {', '.join(INIT_OPTIONS)}")
-    if name in ("phase1", "phase2") and "phases" not in changes:
-        changes["phases"] = [name]
-    return INIT_OPTIONS[name](name=name, **changes)
+    if name not in INIT_MODES:
+        raise SettingError(Key("name"), f"={name!r}; expected one of {', '.join(INIT_MODES.names())}")
+    return INIT_MODES[name].make_settings(**changes)

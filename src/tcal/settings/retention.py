@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+from tcal.registry import POLICIES
 from tcal.settings.fields import (
     KEEP,
     NOTHING,
@@ -36,6 +37,27 @@ def num_kept(ratio: float, num_layers: int) -> int:
     return max(1, min(num_layers, int(ratio * num_layers + 0.5)))
 
 
+def uniform_layers(num_layers: int, ratio: float) -> list[int]:
+    """Every (L / K)-th layer from layer 0 (L=28, K=7: 0, 4, ..., 24)."""
+    k = num_kept(ratio, num_layers)
+    return [i * num_layers // k for i in range(k)]
+
+
+def validate_keep_layers(keep_layers, num_layers: int) -> list[int]:
+    """Sorted keep list; errors name the bad value."""
+    keep = [int(i) for i in keep_layers]
+    if not keep:
+        raise ValueError("keep_layers is empty: at least one layer must stay softmax attention")
+    out_of_range = [i for i in keep if not 0 <= i < num_layers]
+    if out_of_range:
+        raise ValueError(f"keep_layers {out_of_range} out of range for a teacher with {num_layers} layers "
+                         f"(0..{num_layers - 1})")
+    repeated = sorted({i for i in keep if keep.count(i) > 1})
+    if repeated:
+        raise ValueError(f"keep_layers repeats {repeated}")
+    return sorted(keep)
+
+
 def check_ratio(ratio) -> None:
     if not is_number(ratio) or not 0.0 < ratio <= 1.0:
         raise SettingError(Key("ratio"), f"={ratio} must lie in (0, 1]")
@@ -50,8 +72,40 @@ class RetentionSettings(Settings):
     ratio: float = setting(0.5, affects=[KEEP])
 
     def check(self) -> None:
-        one_of("name", self.name, sorted(RETENTION_OPTIONS))
+        one_of("name", self.name, POLICIES.names())
         check_ratio(self.ratio)
+
+    def kept(self, num_layers: int) -> int:
+        """How many of `num_layers` layers the policy keeps softmax."""
+        return num_kept(self.ratio, num_layers)
+
+    def keep_setting(self) -> str:
+        """The setting that decides how many layers are kept, as `key=value` under `retention.`."""
+        return f"ratio={self.ratio}"
+
+    def needle_probe(self) -> tuple[int, int, int] | None:
+        """(seq_len, sequences, seed) of the needle sequences the policy cuts from the calibration split, if any."""
+        return None
+
+    def planned_keep(self, num_layers: int) -> list[int] | None:
+        """The keep list when it is known before the teacher is read (`tcal-plan`); None when it is scored."""
+        return uniform_layers(num_layers, self.ratio)
+
+    def check_keep(self, num_layers: int) -> None:
+        """What the policy's settings need of a teacher of `num_layers` layers (SettingError, keys under
+        `retention.`)."""
+
+    def teacher_lengths(self) -> list[tuple[str, int]]:
+        """(key, length) of the sequences the policy feeds the teacher."""
+        return [("retention.seq_len", self.seq_len)] if hasattr(self, "seq_len") else []
+
+    def initializes_layers(self) -> bool:
+        """Whether scoring initializes GDN layers with the run's init (which then reads the calibration split)."""
+        return False
+
+    def split_needs(self) -> list[tuple[str, int]]:
+        """(what, tokens) the policy reads of the calibration split, what naming the keys that set it."""
+        return []
 
 
 @declared
@@ -71,6 +125,24 @@ class ScoredRetentionSettings(RetentionSettings):
         positive_int("num_windows", self.num_windows)
         positive_int("batch_size", self.batch_size)
         window_length("seq_len", self.seq_len)
+
+    def planned_keep(self, num_layers: int) -> None:
+        return None
+
+    def split_needs(self) -> list[tuple[str, int]]:
+        return [(f"retention.num_windows={self.num_windows} windows of retention.seq_len={self.seq_len}",
+                 self.num_windows * self.seq_len)]
+
+
+@declared
+@dataclass
+class GaS2RetentionSettings(ScoredRetentionSettings):
+    """`ga_s2`: as `ar`, each layer scored by a probe student whose other layers the run's init initializes."""
+
+    name: str = setting("ga_s2", affects=[SCORES, KEEP])
+
+    def initializes_layers(self) -> bool:
+        return True
 
 
 @declared
@@ -119,6 +191,21 @@ class RecallRetentionSettings(RetentionSettings):
             raise bad("num_prompts", self.num_prompts, "at least 2 with scored=null (the rule reads the spread over "
                                                        "the probe's sequences)")
 
+    def planned_keep(self, num_layers: int) -> None:
+        return None
+
+    def check_keep(self, num_layers: int) -> None:
+        kept = self.kept(num_layers)
+        if self.scored is not None and self.scored > kept:
+            raise SettingError(Key("scored"), f"={self.scored} is more than the {kept} layers ", Key("ratio"),
+                               f"={self.ratio} keeps of {num_layers}")
+
+    def initializes_layers(self) -> bool:
+        return self.probe == "gdn"
+
+    def needle_probe(self) -> tuple[int, int, int]:
+        return self.seq_len, self.num_prompts, self.probe_seed
+
 
 @declared
 @dataclass
@@ -137,8 +224,29 @@ class ExplicitRetentionSettings(Settings):
             raise SettingError(Key("keep"), f"={list(self.keep)} holds {negative}, not layer indices; expected whole "
                                f"numbers >= 0, e.g. ", Key("keep"), "=[0,2]")
 
+    def kept(self, num_layers: int) -> int:
+        return len(set(self.keep))
 
-# The settings class of each policy (`retention.name`).
-RETENTION_OPTIONS = {"uniform": RetentionSettings, "ar": ScoredRetentionSettings,
-                     "ga_s2": ScoredRetentionSettings, "recall": RecallRetentionSettings,
-                     "explicit": ExplicitRetentionSettings}
+    def keep_setting(self) -> str:
+        return f"keep={list(self.keep)}"
+
+    def needle_probe(self) -> None:
+        return None
+
+    def planned_keep(self, num_layers: int) -> list[int]:
+        return sorted(int(i) for i in self.keep)
+
+    def check_keep(self, num_layers: int) -> None:
+        try:
+            validate_keep_layers(list(self.keep), num_layers)
+        except ValueError as err:  # the student's words (`keep_layers`) told as the key the user wrote
+            raise SettingError(Key("keep"), f"={list(self.keep)}: {str(err).replace('keep_layers ', '')}") from None
+
+    def teacher_lengths(self) -> list[tuple[str, int]]:
+        return []
+
+    def initializes_layers(self) -> bool:
+        return False
+
+    def split_needs(self) -> list[tuple[str, int]]:
+        return []

@@ -21,7 +21,7 @@ from tcal.settings.fields import (
     seed_value,
     setting,
 )
-from tcal.settings.init import CalibratedInitSettings, CalibrationSettings, FullPlusSettings
+from tcal.settings.init import CalibratedInitSettings, CalibrationSettings
 from tcal.settings.retention import MIN_PROBE_LEN, RetentionSettings
 from tcal.settings.stage import StageSettings
 from tcal.settings.teacher import TeacherSettings, default_teacher
@@ -53,12 +53,7 @@ class RunSettings(Settings):
 
     def check(self) -> None:
         seed_value("seed", self.seed)
-        if isinstance(self.init, FullPlusSettings):
-            self.init.check_pool(self.calibration.seq_len)
-            try:
-                self.init.phase1_settings(self.calibration)
-            except SettingError as err:
-                raise err.placed("init.phase1.") from None
+        self.init.check_with(self.calibration)
         if self.data.retrieval_mix > 0:
             for key, stage in self.stage.stages():
                 if stage.seq_len < MIN_PROBE_LEN:
@@ -74,7 +69,7 @@ class RunSettings(Settings):
             raise (err if err.place is not None else err.placed("")) from None
 
     def tree(self) -> dict:
-        """The settings as the plain mapping a results.json records (`tcal.settings.compose.run_settings` reads it
+        """The settings as the plain mapping a results.json records (`tcal.settings.conversion.run_settings` reads it
         back)."""
         return dataclasses.asdict(self)
 
@@ -87,8 +82,7 @@ class RunSettings(Settings):
         lengths = [("eval.seq_len", self.eval.seq_len)]
         if self.calibrates():
             lengths.append(("calibration.seq_len", self.calibration.seq_len))
-        if hasattr(self.retention, "seq_len"):
-            lengths.append(("retention.seq_len", self.retention.seq_len))
+        lengths += self.retention.teacher_lengths()
         lengths += [(f"{key}.seq_len", stage.seq_len) for key, stage in self.stage.stages()]
         if self.eval.ruler.name != "none":
             lengths.append(("eval.ruler.lengths", max(self.eval.ruler.lengths)))

@@ -20,6 +20,7 @@ from tcal.settings.fields import (
     learning_rate,
     non_negative,
     one_of,
+    option_classes,
     positive_int,
     positive_number,
     setting,
@@ -35,6 +36,8 @@ KINDS = ("align", "distill")
 @dataclass
 class StageSettings(Settings):
     """`stage=none`: no training."""
+
+    schema = "stage/none"
 
     name: str = setting("none", affects=[TRAIN])
 
@@ -110,6 +113,8 @@ class TrainingStageSettings(StageSettings):
 class AlignSettings(TrainingStageSettings):
     """Stage 1: every GDN layer matches the teacher attention output; only GDN parameters train."""
 
+    schema = "stage/align"
+
     name: str = setting("align", affects=[TRAIN])
     kind: str = setting("align", affects=[TRAIN])
     # perplexity curve and checkpoint interval; also at token 0 and at the end
@@ -128,6 +133,8 @@ class AlignSettings(TrainingStageSettings):
 @dataclass
 class DistillSettings(TrainingStageSettings):
     """Stage 2: forward KL(teacher || student) on the logits; every student parameter trains."""
+
+    schema = "stage/distill"
 
     name: str = setting("distill", affects=[TRAIN])
     kind: str = setting("distill", affects=[TRAIN])
@@ -158,6 +165,8 @@ class StageSequenceSettings(StageSettings):
     """Stages run one after the other (`stage=align_distill`, `stage=paper`), each with its own settings;
     `sequence: [align]` runs Stage 1 of these settings alone."""
 
+    schema = "stage/sequence"
+
     name: str = setting("align_distill", affects=[TRAIN])
     sequence: List[str] = setting(affects=[TRAIN], factory=lambda: ["align", "distill"])
     align: AlignSettings = setting(affects=[TRAIN], factory=AlignSettings)
@@ -182,5 +191,5 @@ def stage_settings_class(node: dict) -> type:
         return StageSettings
     if "sequence" in node:
         return StageSequenceSettings
-    return {"align": AlignSettings, "distill": DistillSettings}.get(node.get("kind"), TrainingStageSettings)
+    return option_classes(TrainingStageSettings, "kind").get(node.get("kind"), TrainingStageSettings)
 

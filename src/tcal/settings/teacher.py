@@ -41,6 +41,8 @@ class TeacherSettings(Settings):
     of that config.json, seeded by `seed`, with `tokenizer`). `architecture` is a published config.json, for
     planning without the weights."""
 
+    schema = "teacher/teacher"
+
     name: str = setting(REQUIRED, affects=NOTHING)
     path: Optional[str] = setting(None, affects=EVERYTHING)  # a local HF folder overrides the random config
     package: Optional[str] = setting(None, affects=EVERYTHING)

@@ -34,6 +34,8 @@ LOGGERS = ("none", "csv", "wandb")
 class TrainerSettings(Settings):
     """Lightning Trainer settings of the training stages and the evaluation; also the device of the init."""
 
+    schema = "trainer/trainer"
+
     accelerator: str = setting("cpu", affects=[SCORES, INIT, TRAIN, *EVALUATION])
     devices: Any = setting(1, affects=[TRAIN, *EVALUATION])  # a count, a list of device ids, -1 or "auto"
     num_nodes: int = setting(1, affects=[TRAIN, *EVALUATION])
@@ -91,6 +93,8 @@ class LoggerSettings(Settings):
     """Where metrics go: `csv` (RUN_DIR/logs/metrics.csv), `wandb` (`project`, runs grouped by `group`, or by the
     run's init mode when it is null), `none`."""
 
+    schema = "logger/logger"
+
     name: str = setting("csv", affects=NOTHING)
     project: Optional[str] = setting(None, affects=NOTHING)
     group: Optional[str] = setting(None, affects=NOTHING)
@@ -103,6 +107,8 @@ class LoggerSettings(Settings):
 @dataclass
 class PathsSettings(Settings):
     """Where runs (`output_dir`) and the shared caches (`cache_dir`) go, relative to the working directory."""
+
+    schema = "paths/paths"
 
     output_dir: str = setting("outputs", affects=NOTHING)
     cache_dir: str = setting(".cache/tcal", affects=NOTHING)

@@ -44,7 +44,7 @@ def holds_work(record: dict) -> bool:
 
 def recorded_settings(run_dir: Path, record: dict) -> RunSettings:
     """The settings a record's run was started with; FolderInUse when they cannot be read (another tcal's)."""
-    from tcal.settings.compose import run_settings
+    from tcal.settings.conversion import run_settings
 
     try:
         return run_settings(record.get("config") or {})

@@ -13,26 +13,13 @@ import torch
 
 from tcal.settings import derived_seed
 from tcal.settings.init import GQA_EXPANSIONS
+from tcal.settings.retention import validate_keep_layers
 from tcal.student.gdn import GatedDeltaNet
 from tcal.student.hybrid import LINEAR, HybridConfig, HybridForCausalLM, teacher_layer_types
 from tcal.teachers import adapter_for
 
 log = logging.getLogger(__name__)
 
-
-
-def validate_keep_layers(keep_layers, num_layers: int) -> list[int]:
-    """Sorted keep list; errors name the bad value."""
-    keep = [int(i) for i in keep_layers]
-    if not keep:
-        raise ValueError("keep_layers is empty: at least one layer must stay softmax attention")
-    bad = [i for i in keep if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"keep_layers {bad} out of range for a teacher with {num_layers} layers (0..{num_layers - 1})")
-    repeated = sorted({i for i in keep if keep.count(i) > 1})
-    if repeated:
-        raise ValueError(f"keep_layers repeats {repeated}")
-    return sorted(keep)
 
 
 def expand_kv(weight: torch.Tensor, kv_heads: int, query_heads: int, head_dim: int, mode: str = "whole_head"):

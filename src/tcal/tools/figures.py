@@ -249,7 +249,7 @@ def reported_keys(config: dict) -> frozenset:
     (an older record) is judged by today's fields of the same keys; a key no field has counts."""
     from tcal.errors import ConfigError
     from tcal.settings import RunSettings
-    from tcal.settings.compose import run_settings
+    from tcal.settings.conversion import run_settings
     from tcal.settings.relevance import levels
 
     try:

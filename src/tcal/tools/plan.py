@@ -356,18 +356,13 @@ def build_model(settings, keep_layers: list[int]) -> Model:
 def retention_plan(settings, num_layers: int) -> dict:
     """The kept layers: computed for `uniform` and `explicit`; for scored policies only their count is known
     before the real teacher is scored (the plan counts them at uniform positions: every layer has the same size)."""
-    from tcal.retention.uniform import uniform_layers
-    from tcal.settings.retention import num_kept
-
     ret = settings.retention
-    if ret.name == "explicit":
-        keep = sorted(int(i) for i in ret.keep)
-        return {"policy": "explicit", "keep_layers": keep, "kept": len(keep), "scored": False}
-    plan = {"policy": ret.name, "ratio": float(ret.ratio), "kept": num_kept(ret.ratio, num_layers)}
-    if ret.name == "uniform":
-        return {**plan, "keep_layers": uniform_layers(num_layers, ret.ratio), "scored": False}
-    return {**plan, "keep_layers": None, "scored": True,
-            "note": f"{ret.name} chooses the {plan['kept']} kept layers by scoring the real teacher"}
+    keep = ret.planned_keep(num_layers)
+    plan = {"policy": ret.name, "setting": ret.keep_setting(), "kept": ret.kept(num_layers), "keep_layers": keep,
+            "scored": keep is None}
+    if keep is None:
+        plan["note"] = f"{ret.name} chooses the {plan['kept']} kept layers by scoring the real teacher"
+    return plan
 
 
 @dataclass
@@ -567,40 +562,6 @@ def stage_memory(kind: str, node, settings, model: Model, world: int, device_typ
                   "teacher_dtype": str(teacher_dtype_name)})
 
 
-@dataclass(frozen=True)
-class CalibrationWork:
-    """The windows an init mode calibrates on: those of the statistics (host memory), of its teacher forward, of its
-    Phase 2 tensors on the device and of one Phase 2 step; and how many layers' statistics are held at once."""
-
-    seq_len: int
-    stats_windows: int
-    forward_windows: int
-    device_windows: int
-    step_windows: int
-    phase2: bool
-    layers_at_once: int
-
-
-def calibration_work(settings, n_gdn: int) -> CalibrationWork | None:
-    """`init=full_plus`: its pool (`init.pool.tokens` in windows of `calibration.seq_len`, `init.phase2.batch_size`);
-    `phase1` / `phase2` / `full`: the calibration batch and its held-out check windows (`calibration.*`); None for
-    inits that do not calibrate."""
-    from tcal.init.calibration.pool import pool_windows
-
-    init, cal = settings.init, settings.calibration
-    if init.name == "full_plus":
-        pool = init.pool
-        windows = pool_windows(int(pool.tokens), int(cal.seq_len))
-        return CalibrationWork(int(cal.seq_len), windows, windows - windows // int(pool.held_out_every), windows,
-                               int(init.phase2.batch_size), True, int(pool.layers_per_pass or n_gdn))
-    phases = list(getattr(init, "phases", None) or [])
-    if not phases:
-        return None
-    windows = int(cal.batch_size)
-    check = windows - 1 if cal.check and windows > 1 else 0
-    return CalibrationWork(int(cal.seq_len), windows + check, windows, windows, windows, "phase2" in phases, n_gdn)
-
-
 def calibration_memory(settings, model: Model, device_type: str) -> StageMemory:
     """Per-device memory of the init: teacher and student in `teacher.dtype`, and the larger of the teacher's
     statistics forward (an estimate: one layer's MLP and residual tensors and the blockwise attention scores) and
@@ -611,7 +572,7 @@ def calibration_memory(settings, model: Model, device_type: str) -> StageMemory:
     config = model.teacher_config
     teacher_bytes = dtype_bytes(getattr(torch, str(settings.teacher.dtype)))
     gdn_layers = model.student.config.gdn_layers
-    work = calibration_work(settings, len(gdn_layers)) if gdn_layers else None
+    work = settings.init.calibration_work(settings.calibration, len(gdn_layers)) if gdn_layers else None
     host = forward = phase2 = 0
     if work is not None:
         D = model.hidden_size
@@ -634,7 +595,7 @@ def calibration_memory(settings, model: Model, device_type: str) -> StageMemory:
                                    "calibration_tokens": work.stats_windows * work.seq_len if work else 0,
                                    "host_gb": round(host / GB, 2)})
     memory.notes.append("activations: the larger of the teacher's statistics forward and one layer's Phase 2")
-    if settings.retention.name in ("ar", "ga_s2", "recall"):
+    if settings.retention.planned_keep(model.teacher_config.num_hidden_layers) is None:
         memory.notes.append(f"retention={settings.retention.name} first scores the layers on the real teacher (not "
                             f"planned)")
     return memory
@@ -903,7 +864,7 @@ def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HE
     its peak plus `headroom_gb` (CUDA's context, the caching allocator's fragmentation, NCCL's buffers, kernels'
     workspaces: what the plan does not count) is at most `device_gb`."""
     from tcal.preflight import check_plan
-    from tcal.retention.uniform import uniform_layers
+    from tcal.settings.retention import uniform_layers
     from tcal.runtime.distributed import world_size
     from tcal.teachers.load import teacher_architecture
 
@@ -912,7 +873,7 @@ def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HE
     check_plan(settings)
     num_layers = teacher_architecture(settings.teacher, settings.paths.cache_dir).num_hidden_layers
     retention = retention_plan(settings, num_layers)
-    keep = retention["keep_layers"] or uniform_layers(num_layers, retention["ratio"])
+    keep = retention["keep_layers"] or uniform_layers(num_layers, retention["kept"] / num_layers)
     model = build_model(settings, keep)
     trainer = settings.trainer
     device_type = "cpu" if str(trainer.accelerator) == "cpu" else "cuda"
@@ -1100,7 +1061,8 @@ def label_of(overrides: list[str]) -> str:
 def main(argv=None) -> None:
     """The `tcal-plan` console script."""
     from tcal.errors import config_error_exit
-    from tcal.settings.compose import compose_here, hydra_configs, planned_jobs, run_settings
+    from tcal.settings.compose import compose_here, hydra_configs, planned_jobs
+    from tcal.settings.conversion import run_settings
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for tcal (group=a,b plans each)")
