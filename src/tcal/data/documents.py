@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from tcal.errors import ConfigError, DataError, HubUnavailable
+from tcal.settings.data import DataSettings, HubDataSettings
 from tcal.store.cache import get_or_build, tensor_codec
 from tcal.store.fingerprint import digest, tokenizer_digest
 
@@ -113,38 +114,38 @@ def jsonl_documents(path: Path, text: str) -> list[Document]:
     return docs
 
 
-def offline_message(cfg, cause: str) -> str:
-    return (f"data.dataset={cfg.dataset!r} could not be loaded: the dataset hub is unreachable or offline here "
+def offline_message(data: HubDataSettings, cause: str) -> str:
+    return (f"data.dataset={data.dataset!r} could not be loaded: the dataset hub is unreachable or offline here "
             f"({cause}). Download it elsewhere and pass data.dataset=<local folder>, or use local text with "
             f"data.source=files data.files=[...]")
 
 
-def check_dataset_reachable(cfg) -> None:
+def check_dataset_reachable(data: HubDataSettings) -> None:
     """Offline, a hub dataset (`org/name`) that is neither a local folder nor in the datasets cache fails at
     once, before `datasets` spends its retries on it; a builder's local data files that are not there fail too."""
     from tcal.hub import datasets_cache_dir, hub_dataset_cached, hub_offline
 
-    check_local_data_files(cfg)
-    name = str(cfg.dataset)
+    check_local_data_files(data)
+    name = str(data.dataset)
     if not hub_offline(datasets=True) or "/" not in name or Path(name).expanduser().exists():
         return
     if not hub_dataset_cached(name):
-        raise HubUnavailable(offline_message(cfg, f"offline, and not in the datasets cache {datasets_cache_dir()}"))
+        raise HubUnavailable(offline_message(data, f"offline, and not in the datasets cache {datasets_cache_dir()}"))
 
 
-def dataset_rows(cfg):
+def dataset_rows(data: HubDataSettings):
     """The rows of a `datasets` dataset (`data.dataset`, `data.subset`, `data.split`), a stream with `data.streaming`;
     hub datasets need a reachable hub, local builders (`text`, `json`, `parquet` with `data.data_files`) and local
     folders work offline."""
-    check_dataset_reachable(cfg)
+    check_dataset_reachable(data)
     import datasets
 
-    kwargs = {"data_files": plain_data_files(cfg.data_files)} if cfg.data_files else {}
+    kwargs = {"data_files": plain_data_files(data.data_files)} if data.data_files else {}
     try:
-        return datasets.load_dataset(cfg.dataset, cfg.subset, split=cfg.split, streaming=bool(cfg.streaming),
+        return datasets.load_dataset(data.dataset, data.subset, split=data.split, streaming=bool(data.streaming),
                                      **kwargs)
     except (ConnectionError, OSError) as err:
-        raise HubUnavailable(offline_message(cfg, str(err))) from err
+        raise HubUnavailable(offline_message(data, str(err))) from err
 
 
 def plain_data_files(data_files):
@@ -154,26 +155,26 @@ def plain_data_files(data_files):
     return {str(k): v if isinstance(v, str) else [str(f) for f in v] for k, v in dict(data_files).items()}
 
 
-def row_documents(cfg, rows):
+def row_documents(data: HubDataSettings, rows):
     """Documents of `rows` (at most `data.max_documents` rows read), named `<dataset>:<row index>`; rows whose
     text is empty are skipped."""
-    field = cfg.text_field
-    limit = int(cfg.max_documents) if cfg.max_documents else None
+    field = data.text_field
+    limit = int(data.max_documents) if data.max_documents else None
     for i, row in enumerate(itertools.islice(rows, limit)):
         text = row[field]
         if not isinstance(text, str):
-            raise DataError(f"data.dataset={cfg.dataset!r}: row {i}: field data.text_field={field!r} holds "
+            raise DataError(f"data.dataset={data.dataset!r}: row {i}: field data.text_field={field!r} holds "
                             f"{type(text).__name__}, not text")
         if text.strip():
-            yield Document(f"{cfg.dataset}:{i}", text)
+            yield Document(f"{data.dataset}:{i}", text)
 
 
-def dataset_documents(cfg) -> list[Document]:
+def dataset_documents(data: HubDataSettings) -> list[Document]:
     """Every document of a `datasets` dataset, in memory (text in `data.text_field`)."""
-    rows = dataset_rows(cfg)
-    if not cfg.streaming and cfg.max_documents:
-        rows = rows.select(range(min(int(cfg.max_documents), len(rows))))
-    return list(row_documents(cfg, rows))
+    rows = dataset_rows(data)
+    if not data.streaming and data.max_documents:
+        rows = rows.select(range(min(int(data.max_documents), len(rows))))
+    return list(row_documents(data, rows))
 
 
 class StreamedDocuments:
@@ -181,22 +182,22 @@ class StreamedDocuments:
     again on each iteration (never held together). `from_document(k)` starts at the k-th training document, so a
     killed tokenization continues without tokenizing what it had stored."""
 
-    def __init__(self, cfg, held_out: int):
-        self.cfg, self.held_out = cfg, int(held_out)
+    def __init__(self, data: HubDataSettings, held_out: int):
+        self.data, self.held_out = data, int(held_out)
 
     def from_document(self, start: int):
-        return itertools.islice(row_documents(self.cfg, dataset_rows(self.cfg)), self.held_out + int(start), None)
+        return itertools.islice(row_documents(self.data, dataset_rows(self.data)), self.held_out + int(start), None)
 
     def __iter__(self):
         return self.from_document(0)
 
     def describe(self) -> dict:
         """What decides these documents (a token store's key holds it): the source's settings, local files' sizes."""
-        cfg = self.cfg
-        files = plain_data_files(cfg.data_files) if cfg.data_files else None
-        return {"dataset": cfg.dataset, "subset": cfg.subset, "split": cfg.split, "text_field": cfg.text_field,
-                "data_files": files, "file_sizes": local_file_sizes(cfg.dataset, files),
-                "max_documents": cfg.max_documents, "held_out": self.held_out}
+        data = self.data
+        files = plain_data_files(data.data_files) if data.data_files else None
+        return {"dataset": data.dataset, "subset": data.subset, "split": data.split, "text_field": data.text_field,
+                "data_files": files, "file_sizes": local_file_sizes(data.dataset, files),
+                "max_documents": data.max_documents, "held_out": self.held_out}
 
 
 def data_file_patterns(files) -> list[str]:
@@ -212,13 +213,13 @@ def local_matches(pattern: str) -> list[str]:
     return glob.glob(os.path.expanduser(pattern), recursive=True)
 
 
-def check_local_data_files(cfg) -> None:
+def check_local_data_files(data: HubDataSettings) -> None:
     """A packaged builder's data files (`data.dataset=json`, `parquet`, `text`, ...: a name without `/` that is no
     folder) are local: each file or pattern must match a file (a hub dataset's are paths inside its repository)."""
-    name = str(cfg.dataset)
-    if not cfg.data_files or "/" in name or Path(name).expanduser().exists():
+    name = str(data.dataset)
+    if not data.data_files or "/" in name or Path(name).expanduser().exists():
         return
-    for pattern in data_file_patterns(plain_data_files(cfg.data_files)):
+    for pattern in data_file_patterns(plain_data_files(data.data_files)):
         if not local_matches(pattern):
             raise ConfigError(f"data.data_files: {pattern!r} matches no file (data.dataset={name!r} reads local "
                               f"files); expected an existing file or a pattern that matches some")
@@ -234,51 +235,51 @@ def local_file_sizes(dataset: str, files) -> dict[str, int]:
     return {str(p): p.stat().st_size for p in paths if p.is_file()}
 
 
-SOURCES = {"shakespeare": lambda cfg: shakespeare_documents(), "files": lambda cfg: file_documents(cfg.files),
+SOURCES = {"shakespeare": lambda data: shakespeare_documents(), "files": lambda data: file_documents(data.files),
            "datasets": dataset_documents}
 
 
-def is_streamed(cfg) -> bool:
+def is_streamed(data: DataSettings) -> bool:
     """Whether the source's documents are streamed (never all in memory): a `datasets` source with `streaming`."""
-    return cfg.source == "datasets" and bool(cfg.streaming)
+    return data.source == "datasets" and bool(data.streaming)
 
 
-def load_splits(cfg) -> Splits:
-    """Documents of `cfg.source` split by document into train / calibration / evaluation (the two rules: module
+def load_splits(data: DataSettings) -> Splits:
+    """Documents of `data.source` split by document into train / calibration / evaluation (the two rules: module
     doc)."""
-    if cfg.source not in SOURCES:
-        raise ConfigError(f"data.source={cfg.source!r}; expected one of {sorted(SOURCES)}")
-    if is_streamed(cfg):
-        return streamed_splits(cfg)
-    docs = SOURCES[cfg.source](cfg)
-    n_cal, n_eval = int(cfg.calibration_docs), int(cfg.evaluation_docs)
+    if data.source not in SOURCES:
+        raise ConfigError(f"data.source={data.source!r}; expected one of {sorted(SOURCES)}")
+    if is_streamed(data):
+        return streamed_splits(data)
+    docs = SOURCES[data.source](data)
+    n_cal, n_eval = int(data.calibration_docs), int(data.evaluation_docs)
     if n_cal < 1 or n_eval < 1 or n_cal + n_eval >= len(docs):
         raise ConfigError(
             f"data: {len(docs)} documents cannot give {n_cal} calibration + {n_eval} evaluation + >=1 training documents"
         )
     order = sorted(docs, key=lambda d: d.name)
-    random.Random(int(cfg.split_seed)).shuffle(order)
+    random.Random(int(data.split_seed)).shuffle(order)
     return Splits(train=order[n_cal + n_eval:], calibration=order[:n_cal], evaluation=order[n_cal:n_cal + n_eval])
 
 
-def streamed_splits(cfg) -> Splits:
+def streamed_splits(data: HubDataSettings) -> Splits:
     """The streamed rule (module doc): the first `calibration_docs + evaluation_docs` documents of the stream,
     shuffled with `split_seed`, are calibration then evaluation; training is every later document, streamed."""
-    n_cal, n_eval = int(cfg.calibration_docs), int(cfg.evaluation_docs)
-    head = list(itertools.islice(row_documents(cfg, dataset_rows(cfg)), n_cal + n_eval + 1))
+    n_cal, n_eval = int(data.calibration_docs), int(data.evaluation_docs)
+    head = list(itertools.islice(row_documents(data, dataset_rows(data)), n_cal + n_eval + 1))
     if len(head) <= n_cal + n_eval:
-        raise ConfigError(f"data: the stream of data.dataset={cfg.dataset!r} gives {len(head)} documents; it cannot "
+        raise ConfigError(f"data: the stream of data.dataset={data.dataset!r} gives {len(head)} documents; it cannot "
                           f"give {n_cal} calibration + {n_eval} evaluation + >=1 training documents")
     held_out = head[:n_cal + n_eval]
-    random.Random(int(cfg.split_seed)).shuffle(held_out)
-    return Splits(train=StreamedDocuments(cfg, n_cal + n_eval), calibration=held_out[:n_cal],
+    random.Random(int(data.split_seed)).shuffle(held_out)
+    return Splits(train=StreamedDocuments(data, n_cal + n_eval), calibration=held_out[:n_cal],
                   evaluation=held_out[n_cal:])
 
 
-def eval_sets(cfg, splits: Splits) -> dict[str, list[Document]]:
+def eval_sets(data: DataSettings, splits: Splits) -> dict[str, list[Document]]:
     """The held-out split under the data's name, plus one set per `eval_files` entry (named by file stem)."""
-    sets = {cfg.name: splits.evaluation}
-    for path in cfg.eval_files or []:
+    sets = {data.name: splits.evaluation}
+    for path in data.eval_files or []:
         stem = Path(path).stem
         if stem in sets:
             raise ValueError(f"data.eval_files: eval set name {stem!r} is used twice")

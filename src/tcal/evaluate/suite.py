@@ -46,16 +46,16 @@ def perplexities(ctx, student) -> dict:
     """{eval set: {teacher_ppl, student_ppl}} on windows of `eval.seq_len` tokens (every rank takes part); with
     `eval.position_buckets` also `by_position`: [{start, end, tokens, teacher_ppl, student_ppl}, ...] per bucket
     of positions within the window."""
-    cfg = ctx.settings.eval
-    buckets = position_buckets(cfg)
+    ev = ctx.settings.eval
+    buckets = position_buckets(ev)
     windows, settings = {}, {}
     for name, docs in eval_sets(ctx.settings.data, ctx.splits).items():
-        windows[name] = token_windows(docs, ctx.tokenizer, int(cfg.seq_len), int(cfg.num_windows))
+        windows[name] = token_windows(docs, ctx.tokenizer, int(ev.seq_len), int(ev.num_windows))
         settings[name] = {"docs": _docs_digest(docs),
                           **cache_settings("ppl_by_position" if buckets else "ppl", ctx.settings)}
 
     def validate(model, names):
-        return validate_windows(model, {n: windows[n] for n in names}, int(cfg.batch_size), ctx.settings.trainer,
+        return validate_windows(model, {n: windows[n] for n in names}, int(ev.batch_size), ctx.settings.trainer,
                                 ctx.ranks, buckets)
 
     def teacher_figures(name) -> dict:
@@ -89,29 +89,30 @@ def harness(ctx, student) -> dict | None:
     (`tcal.evaluate.ranked_lm`), and rank 0 aggregates."""
     from tcal.evaluate import local_tasks
 
-    cfg = ctx.settings.eval.harness
-    if cfg.name == "none":
+    harness = ctx.settings.eval.harness
+    if harness.name == "none":
         return None
     docs = ctx.splits.evaluation
-    if cfg.name == "local":
+    if harness.name == "local":
         folder = ctx.cache_dir / "local_tasks" / digest(_docs_digest(docs), cache_settings("harness", ctx.settings))
         tasks = ctx.ranks.decide(lambda: local_tasks.build_local_tasks([d.text for d in docs], folder,
-                                                                       int(cfg.seed), int(cfg.n_examples)))
+                                                                       int(harness.seed), int(harness.n_examples)))
         runs = [(tasks, None)]
         include, offline = folder, True
-    elif cfg.name == "paper":
+    elif harness.name == "paper":
         ctx.ranks.decide(local_tasks.check_paper_tasks_available)
         runs = [(list(local_tasks.PAPER_TASKS), None), *[([t], shots) for t, shots in local_tasks.PAPER_FEWSHOT_TASKS]]
         include, offline = None, False
     else:
-        raise ValueError(f"eval.harness.name={cfg.name!r}; expected local, paper or none")
+        raise ValueError(f"eval.harness.name={harness.name!r}; expected local, paper or none")
 
     def run(model):
         out = {}
         with in_run_precision(ctx):
             for tasks, shots in runs:
-                figures = local_tasks.run_harness(model, ctx.tokenizer, tasks, include, int(cfg.batch_size),
-                                                  int(cfg.max_length), cfg.limit, shots, offline, ranks=ctx.ranks)
+                figures = local_tasks.run_harness(model, ctx.tokenizer, tasks, include, int(harness.batch_size),
+                                                  int(harness.max_length), harness.limit, shots, offline,
+                                                  ranks=ctx.ranks)
                 out.update(figures or {})
         return out if ctx.ranks.is_main else None
 
@@ -127,20 +128,20 @@ def ruler(ctx, student) -> dict | None:
     rank calls this: each generates its share of the examples (`score_ruler` with the run's ranks)."""
     from tcal.evaluate.ruler import ruler_summary, score_ruler
 
-    cfg = ctx.settings.eval.ruler
-    if cfg.name == "none":
+    ruler = ctx.settings.eval.ruler
+    if ruler.name == "none":
         return None
     docs = [d.text for d in ctx.splits.evaluation]
 
     def run(model, role):
         with in_run_precision(ctx):
-            return score_ruler(model, ctx.tokenizer, docs, tuple(cfg.lengths), tuple(cfg.tasks), int(cfg.n),
-                               int(cfg.seed), desc=f"RULER {role}" if ctx.ranks.is_main else None, ranks=ctx.ranks)
+            return score_ruler(model, ctx.tokenizer, docs, tuple(ruler.lengths), tuple(ruler.tasks), int(ruler.n),
+                               int(ruler.seed), desc=f"RULER {role}" if ctx.ranks.is_main else None, ranks=ctx.ranks)
 
     settings = {"docs": _docs_digest(ctx.splits.evaluation), **cache_settings("ruler", ctx.settings)}
     teacher = cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher, "teacher"), collective=True)
     scores = {"teacher": teacher, "student": run(student, "student")}
-    n = {str(length): {task: int(cfg.n) for task in cfg.tasks} for length in cfg.lengths}
+    n = {str(length): {task: int(ruler.n) for task in ruler.tasks} for length in ruler.lengths}
     return {**scores, "n": n, "summary": {role: ruler_summary(scores[role], n) for role in scores}}
 
 

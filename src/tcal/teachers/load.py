@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from tcal.errors import ConfigError
 from tcal.hub import hub_offline, looks_local
 from tcal.runtime.progress import throttle_transformers_bars
+from tcal.settings.teacher import TeacherSettings
 from tcal.store.cache import key_lock
 from tcal.store.files import write_folder_atomic
 from tcal.teachers import adapter_for
@@ -65,27 +66,27 @@ def _from_pretrained(loader, path: str, trust_remote_code: bool = False, **kwarg
         ) from err
 
 
-def _gguf_folder(cfg, cache_dir: Path) -> Path:
-    return Path(cache_dir) / "teachers" / cfg.name
+def _gguf_folder(teacher: TeacherSettings, cache_dir: Path) -> Path:
+    return Path(cache_dir) / "teachers" / teacher.name
 
 
-def _gguf_cached(cfg, cache_dir: Path, dtype: torch.dtype) -> Path:
+def _gguf_cached(teacher: TeacherSettings, cache_dir: Path, dtype: torch.dtype) -> Path:
     """Convert the packaged GGUF teacher once into a safetensors folder (dequantized, tokenizer included)."""
-    folder = _gguf_folder(cfg, cache_dir)
+    folder = _gguf_folder(teacher, cache_dir)
     if _converted(folder):
         return folder
     with key_lock(folder):  # parallel jobs convert once: the others wait, then use the folder
         if _converted(folder):
             return folder
-        return _convert_gguf(cfg, folder, dtype)
+        return _convert_gguf(teacher, folder, dtype)
 
 
 def _converted(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
 
 
-def _convert_gguf(cfg, folder: Path, dtype: torch.dtype) -> Path:
-    gguf = package_file(cfg.package, cfg.gguf_file)
+def _convert_gguf(teacher: TeacherSettings, folder: Path, dtype: torch.dtype) -> Path:
+    gguf = package_file(teacher.package, teacher.gguf_file)
     log.info("converting %s to safetensors in %s (once)", gguf.name, folder)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
@@ -121,46 +122,46 @@ def _gguf_tokenizer(source, cache_dir: Path) -> Path:
         return write_folder_atomic(folder, tokenizer.save_pretrained, replace=False)
 
 
-def trust_remote_code(cfg) -> bool:
+def trust_remote_code(teacher: TeacherSettings) -> bool:
     """Code shipped with a checkpoint runs only when the teacher config says `trust_remote_code: true`."""
-    return bool(cfg.trust_remote_code)
+    return bool(teacher.trust_remote_code)
 
 
-def load_tokenizer(cfg, cache_dir: str | Path):
+def load_tokenizer(teacher: TeacherSettings, cache_dir: str | Path):
     """The teacher's tokenizer, or the one its `tokenizer` node names (tiny test teachers borrow SmolLM2's)."""
-    source = cfg.tokenizer or cfg  # TokenizerSettings, or a mapping of its keys in a config node
+    source = teacher.tokenizer or teacher  # TokenizerSettings, or a mapping of its keys in a config node
     if getattr(source, "path", None):
-        return _from_pretrained(AutoTokenizer, resolve_pretrained(source.path), trust_remote_code(cfg))
+        return _from_pretrained(AutoTokenizer, resolve_pretrained(source.path), trust_remote_code(teacher))
     if getattr(source, "gguf_file", None):
         return AutoTokenizer.from_pretrained(_gguf_tokenizer(source, Path(cache_dir)))
-    raise ValueError(f"teacher {cfg.name!r} names no tokenizer: set teacher.path or teacher.tokenizer")
+    raise ValueError(f"teacher {teacher.name!r} names no tokenizer: set teacher.path or teacher.tokenizer")
 
 
-def load_teacher(cfg, cache_dir: str | Path):
+def load_teacher(teacher: TeacherSettings, cache_dir: str | Path):
     """(teacher model in eval mode, tokenizer) from `TeacherSettings` (or a `conf/teacher/*.yaml` node)."""
     throttle_transformers_bars()
-    dtype = torch_dtype(cfg.dtype)
+    dtype = torch_dtype(teacher.dtype)
     cache_dir = Path(cache_dir)
-    attn = cfg.attn_implementation
-    if cfg.path:
-        path = resolve_pretrained(cfg.path)
-        trust = trust_remote_code(cfg)
+    attn = teacher.attn_implementation
+    if teacher.path:
+        path = resolve_pretrained(teacher.path)
+        trust = trust_remote_code(teacher)
         adapter_for(_from_pretrained(AutoConfig, path, trust))
         model = _from_pretrained(AutoModelForCausalLM, path, trust, dtype=dtype, attn_implementation=attn)
-    elif cfg.gguf_file:
-        folder = _gguf_cached(cfg, cache_dir, dtype)
+    elif teacher.gguf_file:
+        folder = _gguf_cached(teacher, cache_dir, dtype)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)
-    elif cfg.config:
-        config = config_from_node(cfg.config)
+    elif teacher.config:
+        config = config_from_node(teacher.config)
         adapter_for(config)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
+            torch.manual_seed(teacher.seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     else:
-        raise ValueError(f"teacher {cfg.name!r} needs one of: path (hub id or folder), gguf_file, config")
+        raise ValueError(f"teacher {teacher.name!r} needs one of: path (hub id or folder), gguf_file, config")
     adapter_for(model.config).check(model)
     model.eval().requires_grad_(False)
-    return model, load_tokenizer(cfg, cache_dir)
+    return model, load_tokenizer(teacher, cache_dir)
 
 
 def config_from_node(node: dict) -> PreTrainedConfig:
@@ -168,23 +169,23 @@ def config_from_node(node: dict) -> PreTrainedConfig:
     return AutoConfig.for_model(**dict(node))
 
 
-def teacher_architecture(cfg, cache_dir: str | Path) -> PreTrainedConfig:
+def teacher_architecture(teacher: TeacherSettings, cache_dir: str | Path) -> PreTrainedConfig:
     """The teacher's architecture, without loading its weights: a local `teacher.path` folder's config.json, else
     the published config.json shipped as `teacher.architecture` (paper teachers), else the random `teacher.config`
     (tiny teachers), else the packaged GGUF's metadata (its converted folder's config.json once it exists)."""
-    local = Path(str(cfg.path)).expanduser() if cfg.path else None
+    local = Path(str(teacher.path)).expanduser() if teacher.path else None
     if local is not None and local.is_dir():
-        return _from_pretrained(AutoConfig, str(local), trust_remote_code(cfg))
+        return _from_pretrained(AutoConfig, str(local), trust_remote_code(teacher))
     for key in ("architecture", "config"):
-        if getattr(cfg, key):
-            return config_from_node(getattr(cfg, key))
-    if cfg.gguf_file:
-        folder = _gguf_folder(cfg, Path(cache_dir))
+        if getattr(teacher, key):
+            return config_from_node(getattr(teacher, key))
+    if teacher.gguf_file:
+        folder = _gguf_folder(teacher, Path(cache_dir))
         if (folder / "config.json").is_file():
             return AutoConfig.from_pretrained(folder)
-        gguf = package_file(cfg.package, cfg.gguf_file)
+        gguf = package_file(teacher.package, teacher.gguf_file)
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    raise ConfigError(f"teacher {cfg.name!r}: teacher.path={cfg.path!r} is a hub id and no architecture ships "
+    raise ConfigError(f"teacher {teacher.name!r}: teacher.path={teacher.path!r} is a hub id and no architecture ships "
                       f"with it; pass teacher.path=/local/folder (its config.json is read) or add teacher.architecture")
 
 

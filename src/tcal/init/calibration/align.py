@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tcal.errors import Divergence, check_finite
+from tcal.settings.init import Phase2Settings, PoolPhase2Settings
 from tcal.student.alignment import alignment_loss, alignment_loss_value, alignment_metrics
 from tcal.student.gdn import GatedDeltaNet
 
@@ -43,11 +44,12 @@ def only_trainable(gdn: GatedDeltaNet, trainable) -> Iterator[None]:
             p.requires_grad_(requires[id(p)])
 
 
-def phase2_optimizer(gdn: GatedDeltaNet, cfg) -> tuple[torch.optim.Optimizer, list]:
+def phase2_optimizer(gdn: GatedDeltaNet,
+                     phase2: Phase2Settings | PoolPhase2Settings) -> tuple[torch.optim.Optimizer, list]:
     """AdamW over Phase 2's parameter groups, and the trainable parameters (for clipping)."""
-    groups = parameter_groups(gdn, cfg.lr_projections, cfg.lr_dynamics)
+    groups = parameter_groups(gdn, phase2.lr_projections, phase2.lr_dynamics)
     trainable = [p for group in groups for p in group["params"]]
-    return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay), trainable
+    return torch.optim.AdamW(groups, weight_decay=phase2.weight_decay), trainable
 
 
 def optimizer_step(optimizer, trainable, loss: torch.Tensor, grad_clip: float) -> None:
@@ -57,23 +59,23 @@ def optimizer_step(optimizer, trainable, loss: torch.Tensor, grad_clip: float) -
     optimizer.step()
 
 
-def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, cfg, mask=None,
+def align_layer(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, phase2: Phase2Settings, mask=None,
                 progress: tqdm | None = None) -> dict:
-    """Phase 2: full-batch AdamW on the alignment loss for `cfg.steps` steps; keep the lowest-loss state."""
+    """Phase 2: full-batch AdamW on the alignment loss for `phase2.steps` steps; keep the lowest-loss state."""
     before = alignment_metrics(gdn, x, target, mask)
-    optimizer, trainable = phase2_optimizer(gdn, cfg)
+    optimizer, trainable = phase2_optimizer(gdn, phase2)
     best, losses = BestState(), []
     tokens = x.shape[0] * x.shape[1] if mask is None else int(mask.sum())
     with only_trainable(gdn, trainable):
-        for step in range(int(cfg.steps)):
+        for step in range(int(phase2.steps)):
             loss = alignment_loss(gdn, x, target, mask)
             losses.append(loss.item())
             check_finite(losses[-1], lambda value: Divergence.in_phase2(gdn.layer_idx, value, step, tokens))
             best.offer(gdn, losses[-1], step)
-            optimizer_step(optimizer, trainable, loss, cfg.grad_clip)
+            optimizer_step(optimizer, trainable, loss, phase2.grad_clip)
             if progress is not None:
                 progress.update(1)
-        best.settle(gdn, alignment_loss_value(gdn, x, target, mask), int(cfg.steps))
+        best.settle(gdn, alignment_loss_value(gdn, x, target, mask), int(phase2.steps))
     after = alignment_metrics(gdn, x, target, mask)
     return {"loss_before": before["mse"], "cosine_before": before["cosine"], "loss_after": after["mse"],
             "cosine_after": after["cosine"], "best_step": best.step, "losses": losses}

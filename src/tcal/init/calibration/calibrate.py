@@ -20,7 +20,7 @@ from tcal.init.calibration.phase1 import apply_phase1
 from tcal.init.calibration.stats import collect_teacher_stats
 from tcal.runtime.distributed import Ranks
 from tcal.runtime.progress import progress
-from tcal.settings.init import PHASES
+from tcal.settings.init import PHASES, CalibrationSettings
 from tcal.settings.relevance import cache_settings
 from tcal.store.cache import get_or_build_each, tensor_codec
 from tcal.store.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
@@ -31,18 +31,20 @@ log = logging.getLogger(__name__)
 
 
 
-def calibration_batch(ctx, cfg) -> torch.Tensor:
+def calibration_batch(ctx, calibration: CalibrationSettings) -> torch.Tensor:
     """[batch_size, seq_len] tokens from the calibration split (never the evaluation split)."""
-    return token_windows(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.batch_size))
+    return token_windows(ctx.splits.calibration, ctx.tokenizer, int(calibration.seq_len),
+                         int(calibration.batch_size))
 
 
-def check_batch(ctx, cfg) -> torch.Tensor | None:
+def check_batch(ctx, calibration: CalibrationSettings) -> torch.Tensor | None:
     """Calibration-split windows between those of the calibration batch: the fit never sees them, so the
-    alignment loss on them says whether a layer's calibration generalizes. None when `cfg.check` is off."""
-    if not cfg.check:
+    alignment loss on them says whether a layer's calibration generalizes. None when `calibration.check` is off."""
+    if not calibration.check:
         return None
     try:
-        return between_windows(ctx.splits.calibration, ctx.tokenizer, int(cfg.seq_len), int(cfg.batch_size))
+        return between_windows(ctx.splits.calibration, ctx.tokenizer, int(calibration.seq_len),
+                               int(calibration.batch_size))
     except ValueError as err:
         raise ValueError(f"calibration.check: {err}; set calibration.check=false or use shorter windows") from err
 
@@ -145,44 +147,45 @@ def calibrate_split(todo: list[int], gdns: dict[int, GatedDeltaNet], ranks: Rank
     yield from sorted(ranks.merge(built).items())
 
 
-def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tensor, cfg, phases,
-                     store: ArtifactStore, check: torch.Tensor | None = None, ranks: Ranks | None = None,
+def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tensor, calibration: CalibrationSettings,
+                     phases, store: ArtifactStore, check: torch.Tensor | None = None, ranks: Ranks | None = None,
                      key_settings: dict | None = None) -> dict[int, dict]:
     """Calibrate each GDN (in place) against the teacher layer of the same index; returns per-layer records.
     With `check` tokens, each record also gets the alignment loss and cosine on them before and after.
     With several ranks each calibrates a share of the layers (`calibrate_shared`). Each layer's cache key holds
-    `key_settings` (a run's: every setting that changes a calibrated layer; by default the `cfg` given)."""
+    `key_settings` (a run's: every setting that changes a calibrated layer; by default the `calibration` given)."""
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
         raise ValueError(f"unknown calibration phases {unknown}; expected a subset of {PHASES}")
-    settings = plain(cfg) if key_settings is None else key_settings
+    settings = plain(calibration) if key_settings is None else key_settings
     keys = {i: artifact_key(teacher, i, phases, batch, settings, gdn, check) for i, gdn in gdns.items()}
 
     def calibrate_some(todo: list[int]) -> Iterator[tuple[int, dict]]:
         log.info("calibrating layers %s (%s) on %s calibration tokens", todo, "+".join(phases), batch.numel())
-        stats = collect_teacher_stats(teacher, batch, layers=todo, block_size=int(cfg.block_size))
+        stats = collect_teacher_stats(teacher, batch, layers=todo, block_size=int(calibration.block_size))
         check_stats = None if check is None else collect_teacher_stats(teacher, check, layers=todo,
-                                                                        block_size=int(cfg.block_size))
-        steps = int(cfg.phase2.steps) if "phase2" in phases else 0
+                                                                        block_size=int(calibration.block_size))
+        steps = int(calibration.phase2.steps) if "phase2" in phases else 0
         bar = progress(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
         with bar:
             for i in todo:
                 with float32_master(gdns[i]) as gdn:
-                    record = calibrate_one(gdn, i, stats[i], None if check_stats is None else check_stats[i], cfg,
-                                           phases, bar, 0 if check is None else check.numel())
+                    record = calibrate_one(gdn, i, stats[i], None if check_stats is None else check_stats[i],
+                                           calibration, phases, bar, 0 if check is None else check.numel())
                 yield i, {**record, "cached": False}
 
     return calibrate_shared(gdns, keys, store, ranks or Ranks(), calibrate_some)
 
 
-def calibrate_one(gdn: GatedDeltaNet, i: int, layer_stats, check_stats, cfg, phases, bar, check_tokens: int) -> dict:
+def calibrate_one(gdn: GatedDeltaNet, i: int, layer_stats, check_stats, calibration: CalibrationSettings,
+                  phases, bar, check_tokens: int) -> dict:
     """One layer's phases (in place); its record."""
     record: dict = {}
     before = check_metrics(gdn, check_stats) if check_stats is not None else None
     if "phase1" in phases:
-        record["phase1"] = apply_phase1(gdn, layer_stats, cfg.phase1)
+        record["phase1"] = apply_phase1(gdn, layer_stats, calibration.phase1)
     if "phase2" in phases:
-        record["phase2"] = align_layer(gdn, *teacher_io(gdn, layer_stats), cfg.phase2, progress=bar)
+        record["phase2"] = align_layer(gdn, *teacher_io(gdn, layer_stats), calibration.phase2, progress=bar)
         log.info("layer %d phase2: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, record["phase2"]["loss_before"],
                  record["phase2"]["loss_after"], record["phase2"]["cosine_before"], record["phase2"]["cosine_after"])
     else:
@@ -196,9 +199,9 @@ def calibrate_one(gdn: GatedDeltaNet, i: int, layer_stats, check_stats, cfg, pha
 
 def calibrate_gdns(gdns: dict[int, GatedDeltaNet], ctx, phases) -> dict:
     """Calibrate GDN layers with the run's `calibration` settings and artifact cache."""
-    cfg = ctx.settings.calibration
+    calibration = ctx.settings.calibration
     store = calibration_store(ctx)
-    batch = calibration_batch(ctx, cfg)
-    records = calibrate_layers(ctx.teacher, gdns, batch, cfg, phases, store, check_batch(ctx, cfg), ctx.ranks,
-                               cache_settings("calibration", ctx.settings))
+    batch = calibration_batch(ctx, calibration)
+    records = calibrate_layers(ctx.teacher, gdns, batch, calibration, phases, store, check_batch(ctx, calibration),
+                               ctx.ranks, cache_settings("calibration", ctx.settings))
     return {"phases": list(phases), "calibration_tokens": batch.numel(), "layers": {str(i): r for i, r in records.items()}}

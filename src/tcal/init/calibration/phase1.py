@@ -12,6 +12,7 @@ import math
 import torch
 
 from tcal.init.calibration.stats import LayerStats
+from tcal.settings.init import Phase1Settings
 from tcal.student.alignment import valid_tokens
 from tcal.student.gdn import GatedDeltaNet
 
@@ -61,18 +62,18 @@ def output_gate_alpha(context: torch.Tensor, value_activation: torch.Tensor, dam
 
 
 @torch.no_grad()
-def set_decay(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask=None) -> dict:
+def set_decay(gdn: GatedDeltaNet, stats: LayerStats, phase1: Phase1Settings, mask=None) -> dict:
     """Rule 2: A_log <- 0, dt_bias <- softplus^-1(gamma_h), so the state's half-life is d_h tokens."""
-    gamma = decay_rates(stats.mean_distance, cfg.gamma_min, cfg.gamma_max)
+    gamma = decay_rates(stats.mean_distance, phase1.gamma_min, phase1.gamma_max)
     gdn.A_log.zero_()
     gdn.dt_bias.copy_(inverse_softplus(gamma.double()).to(gdn.A_log))
     return {"mean_distance": stats.mean_distance.tolist(), "gamma": gamma.tolist()}
 
 
 @torch.no_grad()
-def set_write_gate(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask=None) -> dict:
+def set_write_gate(gdn: GatedDeltaNet, stats: LayerStats, phase1: Phase1Settings, mask=None) -> dict:
     """Rule 3: rows of Wb rescaled so that focused heads write harder."""
-    concentration, beta_target = write_targets(stats.mean_entropy, cfg.beta_low, cfg.beta_span)
+    concentration, beta_target = write_targets(stats.mean_entropy, phase1.beta_low, phase1.beta_span)
     gdn.b_proj.weight.copy_(rescale_write_gate(gdn.b_proj.weight.float(), beta_target))
     return {"mean_entropy": stats.mean_entropy.tolist(), "concentration": concentration.tolist(),
             "beta_target": beta_target.tolist()}
@@ -83,24 +84,24 @@ def _layer_inputs(gdn: GatedDeltaNet, stats: LayerStats) -> torch.Tensor:
 
 
 @torch.no_grad()
-def set_value_scale(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask=None) -> dict:
+def set_value_scale(gdn: GatedDeltaNet, stats: LayerStats, phase1: Phase1Settings, mask=None) -> dict:
     """Rule 4: Wv rows of head h *= sigma_h, the OLS gain of the current recurrence onto the teacher context."""
     o, _ = gdn.mix(_layer_inputs(gdn, stats), mask)
-    if not cfg.value_fit_query_scale:
+    if not phase1.value_fit_query_scale:
         o = o * math.sqrt(gdn.head_dim)
     context = stats.context.to(gdn.A_log.device)
-    sigma = ols_value_scale(valid_tokens(context, mask), valid_tokens(o, mask), cfg.sigma_min, cfg.sigma_max)
+    sigma = ols_value_scale(valid_tokens(context, mask), valid_tokens(o, mask), phase1.sigma_min, phase1.sigma_max)
     heads = gdn.v_proj.weight.view(gdn.num_heads, gdn.head_dim, -1)
     heads.mul_(sigma.to(heads)[:, None, None])
     return {"sigma": sigma.tolist()}
 
 
 @torch.no_grad()
-def set_output_gate(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask=None) -> dict:
+def set_output_gate(gdn: GatedDeltaNet, stats: LayerStats, phase1: Phase1Settings, mask=None) -> dict:
     """Rule 5: Wg <- alpha Wv, a small output gate aligned with the values."""
     value_activation = torch.nn.functional.silu(gdn.v_proj(_layer_inputs(gdn, stats)).float())
     context = stats.context.to(gdn.A_log.device)
-    alpha = output_gate_alpha(valid_tokens(context, mask), valid_tokens(value_activation, mask), cfg.gate_damping)
+    alpha = output_gate_alpha(valid_tokens(context, mask), valid_tokens(value_activation, mask), phase1.gate_damping)
     gdn.g_proj.weight.copy_(alpha * gdn.v_proj.weight)
     return {"alpha": alpha}
 
@@ -110,7 +111,7 @@ PHASE1_RULES = {"decay": set_decay, "write_gate": set_write_gate, "value_scale":
                 "output_gate": set_output_gate}
 
 
-def apply_phase1(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask: torch.Tensor | None = None,
+def apply_phase1(gdn: GatedDeltaNet, stats: LayerStats, phase1: Phase1Settings, mask: torch.Tensor | None = None,
                  rules=tuple(PHASE1_RULES)) -> dict:
     """Run the named Phase 1 rules (all by default) in `PHASE1_RULES` order on one GDN layer; return what was set."""
     unknown = sorted(set(rules) - set(PHASE1_RULES))
@@ -119,5 +120,5 @@ def apply_phase1(gdn: GatedDeltaNet, stats: LayerStats, cfg, mask: torch.Tensor 
     record: dict = {}
     for name, rule in PHASE1_RULES.items():
         if name in rules:
-            record.update(rule(gdn, stats, cfg, mask))
+            record.update(rule(gdn, stats, phase1, mask))
     return record

@@ -23,6 +23,7 @@ from tcal.init.calibration.phase1 import apply_phase1
 from tcal.init.calibration.stats import collect_teacher_stats
 from tcal.runtime.distributed import Ranks
 from tcal.runtime.progress import progress
+from tcal.settings.init import PoolPhase2Settings
 from tcal.settings.schedule import lr_factor
 from tcal.student.alignment import alignment_loss, alignment_metrics
 from tcal.student.convert import layer_generator
@@ -62,14 +63,14 @@ def minibatches(num_windows: int, batch_size: int, steps: int, generator: torch.
     return order[:need].view(steps, batch_size)
 
 
-def align_on_pool(gdn: GatedDeltaNet, fit: tuple, held_out: tuple, cfg, generator: torch.Generator,
-                  progress: tqdm | None = None) -> dict:
-    """Phase 2 on minibatches of `fit` = (inputs [N, T, D], targets): `cfg.steps` AdamW steps of
-    `cfg.batch_size` windows. The loss on `held_out` (every `cfg.select_every` steps and after the last one)
-    picks the state that is kept. `cfg.schedule` shapes the learning rate over the steps."""
-    draws = minibatches(fit[0].shape[0], int(cfg.batch_size), int(cfg.steps), generator)
-    optimizer, trainable = phase2_optimizer(gdn, cfg)
-    factor = lr_factor(cfg.schedule, len(draws), setting="phase2.schedule")
+def align_on_pool(gdn: GatedDeltaNet, fit: tuple, held_out: tuple, phase2: PoolPhase2Settings,
+                  generator: torch.Generator, progress: tqdm | None = None) -> dict:
+    """Phase 2 on minibatches of `fit` = (inputs [N, T, D], targets): `phase2.steps` AdamW steps of
+    `phase2.batch_size` windows. The loss on `held_out` (every `phase2.select_every` steps and after the last one)
+    picks the state that is kept. `phase2.schedule` shapes the learning rate over the steps."""
+    draws = minibatches(fit[0].shape[0], int(phase2.batch_size), int(phase2.steps), generator)
+    optimizer, trainable = phase2_optimizer(gdn, phase2)
+    factor = lr_factor(phase2.schedule, len(draws), setting="phase2.schedule")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     best, held_out_curve, losses = BestState(), [], []
 
@@ -80,11 +81,11 @@ def align_on_pool(gdn: GatedDeltaNet, fit: tuple, held_out: tuple, cfg, generato
 
     with only_trainable(gdn, trainable):
         for step, windows in enumerate(draws):
-            if step % int(cfg.select_every) == 0:
+            if step % int(phase2.select_every) == 0:
                 best.offer(gdn, held_out_loss(step), step)
             loss = alignment_loss(gdn, fit[0][windows], fit[1][windows])
             losses.append(loss.item())
-            optimizer_step(optimizer, trainable, loss, cfg.grad_clip)
+            optimizer_step(optimizer, trainable, loss, phase2.grad_clip)
             scheduler.step()
             if progress is not None:
                 progress.update(1)

@@ -173,13 +173,13 @@ def register() -> str:
 def attn_implementation(model: PreTrainedModel, name: str):
     """Temporarily switch the attention implementation of `model` and all its sub-models."""
     configs = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
-    saved = {key: cfg._attn_implementation_internal for key, cfg in configs.items()}
+    saved = {key: config._attn_implementation_internal for key, config in configs.items()}
     try:
         model.set_attn_implementation(name)
         yield model
     finally:
-        for key, cfg in configs.items():
-            cfg._attn_implementation_internal = saved[key]
+        for key, config in configs.items():
+            config._attn_implementation_internal = saved[key]
 
 
 def _capture_hook(col: _Collector, layer: int):
