@@ -36,9 +36,9 @@ def cached_teacher(ctx, kind: str, settings, compute, collective: bool = False):
                         codec=codec, ranks=ctx.ranks if collective else None)
 
 
-def position_buckets(eval_cfg) -> tuple[int, ...] | None:
+def position_buckets(evaluation) -> tuple[int, ...] | None:
     """`eval.position_buckets` as a tuple of bucket starts, or None when off."""
-    buckets = eval_cfg.position_buckets
+    buckets = evaluation.position_buckets
     return tuple(int(start) for start in buckets) if buckets else None
 
 

@@ -130,23 +130,23 @@ class EvaluatedModel(PerplexityValidation):
         self.perplexities = ppl
 
 
-def eval_trainer(trainer_cfg, world: int) -> L.Trainer:
+def eval_trainer(trainer_settings, world: int) -> L.Trainer:
     """A Trainer that only validates, on the run's devices and precision (data parallel over the run's ranks)."""
-    return L.Trainer(accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices,
-                     num_nodes=trainer_cfg.num_nodes, strategy="ddp" if world > 1 else "auto",
-                     precision=trainer_cfg.precision, logger=False, use_distributed_sampler=False,
+    return L.Trainer(accelerator=trainer_settings.accelerator, devices=trainer_settings.devices,
+                     num_nodes=trainer_settings.num_nodes, strategy="ddp" if world > 1 else "auto",
+                     precision=trainer_settings.precision, logger=False, use_distributed_sampler=False,
                      enable_model_summary=False, enable_checkpointing=False, inference_mode=False,
                      callbacks=trainer_callbacks([]))
 
 
-def validate_windows(model: torch.nn.Module, eval_windows: dict[str, torch.Tensor], batch_size: int, trainer_cfg,
+def validate_windows(model: torch.nn.Module, eval_windows: dict[str, torch.Tensor], batch_size: int, trainer_settings,
                      ranks, position_buckets=None) -> EvaluatedModel:
     """Validate `model` (already on this rank's device) on every eval set, each rank its share; the result holds
     `perplexities` ({eval set: perplexity}) and, with `position_buckets`, `by_position`."""
     module = EvaluatedModel(model, list(eval_windows), position_buckets)
     was_training = model.training
     model.eval()
-    trainer = eval_trainer(trainer_cfg, ranks.world_size)
+    trainer = eval_trainer(trainer_settings, ranks.world_size)
     trainer.validate(module, dataloaders=eval_dataloaders(eval_windows, batch_size, ranks.rank, ranks.world_size),
                      verbose=False)
     model.train(was_training)

@@ -26,10 +26,10 @@ def full_plus_pool(ctx, init) -> CalibrationPool:
 @INIT_MODES.option("full_plus", FullPlusSettings)
 def full_plus(gdns, init: FullPlusSettings, ctx) -> dict:
     calibration = ctx.settings.calibration
-    phase1_cfg = init.phase1_settings(calibration)  # `full`'s knobs, this recipe's own
+    phase1 = init.phase1_settings(calibration)  # `full`'s knobs, this recipe's own
     pool = full_plus_pool(ctx, init)
     block_size = int(calibration.block_size)
-    records = calibrate_on_pool(ctx.teacher, gdns, pool, init.phase1_rules, phase1_cfg, init.phase2,
+    records = calibrate_on_pool(ctx.teacher, gdns, pool, init.phase1_rules, phase1, init.phase2,
                                 cache_settings("calibration", ctx.settings), calibration_store(ctx),
                                 int(ctx.settings.seed), block_size, init.pool.layers_per_pass, ctx.ranks)
     return {"phase1_rules": list(init.phase1_rules), "pool_seq_len": pool.fit.shape[1], "pool_tokens": pool.fit.numel(),

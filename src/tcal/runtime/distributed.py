@@ -42,16 +42,16 @@ T = TypeVar("T")
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 
 
-def world_size(trainer_cfg) -> int:
+def world_size(trainer) -> int:
     """Processes a `trainer` node asks for: devices per node x nodes (`devices: -1` = every visible GPU)."""
-    devices = trainer_cfg.devices
+    devices = trainer.devices
     if isinstance(devices, int) and devices > 0:
         per_node = devices
     elif isinstance(devices, (list, tuple)) or hasattr(devices, "__len__") and not isinstance(devices, str):
         per_node = len(devices)
     else:
-        per_node = max(torch.cuda.device_count(), 1) if trainer_cfg.accelerator in ("gpu", "cuda") else 1
-    return per_node * int(trainer_cfg.num_nodes)
+        per_node = max(torch.cuda.device_count(), 1) if trainer.accelerator in ("gpu", "cuda") else 1
+    return per_node * int(trainer.num_nodes)
 
 
 def single_device(accelerator: str) -> torch.device:
@@ -217,17 +217,17 @@ def check_tasks_match(world: int) -> None:
                       f"`tcal ... hydra/launcher=slurm_gpu` from a login node")
 
 
-def starts_ranks(trainer_cfg) -> bool:
+def starts_ranks(trainer) -> bool:
     """Whether this process must start the run's ranks itself (`tcal.cli.rank`): a multi-device trainer, and no
     ranks started from outside."""
-    return world_size(trainer_cfg) > 1 and not ranks_started_outside()
+    return world_size(trainer) > 1 and not ranks_started_outside()
 
 
-def launch(trainer_cfg) -> Ranks:
+def launch(trainer) -> Ranks:
     """Join the run's process group as the rank the environment names (the ranks are started beforehand, see
     the module doc); a one-device trainer joins nothing."""
-    world = world_size(trainer_cfg)
-    accelerator = str(trainer_cfg.accelerator)
+    world = world_size(trainer)
+    accelerator = str(trainer.accelerator)
     if world == 1:
         return Ranks(device=single_device(accelerator))
     if not ranks_started_outside():
@@ -238,7 +238,7 @@ def launch(trainer_cfg) -> Ranks:
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
 
-    fabric = Fabric(accelerator=accelerator, devices=trainer_cfg.devices, num_nodes=int(trainer_cfg.num_nodes),
+    fabric = Fabric(accelerator=accelerator, devices=trainer.devices, num_nodes=int(trainer.num_nodes),
                     strategy=DDPStrategy(timeout=PROCESS_GROUP_TIMEOUT))
     fabric.launch()
     ranks = Ranks(fabric.global_rank, fabric.world_size, fabric.device)

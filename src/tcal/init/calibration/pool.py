@@ -23,7 +23,7 @@ from tcal.init.calibration.phase1 import apply_phase1
 from tcal.init.calibration.stats import collect_teacher_stats
 from tcal.runtime.distributed import Ranks
 from tcal.runtime.progress import progress
-from tcal.settings.init import PoolPhase2Settings
+from tcal.settings.init import Phase1Settings, PoolPhase2Settings
 from tcal.settings.schedule import lr_factor
 from tcal.student.alignment import alignment_loss, alignment_metrics
 from tcal.student.convert import layer_generator
@@ -36,14 +36,6 @@ log = logging.getLogger(__name__)
 class CalibrationPool:
     fit: torch.Tensor  # [N, T] windows the minibatches are drawn from
     held_out: torch.Tensor  # [M, T] windows that only choose which state to keep
-
-
-def pool_windows(tokens: int, seq_len: int) -> int:
-    """Windows in a pool of `tokens` calibration tokens cut into windows of `seq_len`: longer windows, fewer of
-    them, the same budget (16,384 tokens are 64 windows of 256 or 8 of 2,048)."""
-    if seq_len < 1 or tokens % seq_len:
-        raise ValueError(f"a pool of {tokens} tokens does not cut into whole windows of {seq_len} tokens")
-    return tokens // seq_len
 
 
 def calibration_pool(docs, tokenizer, seq_len: int, num_windows: int, held_out_every: int) -> CalibrationPool:
@@ -102,9 +94,10 @@ def layer_groups(layers: list[int], size: int | None) -> list[list[int]]:
     return [layers[start:start + size] for start in range(0, len(layers), size)]
 
 
-def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: CalibrationPool, phase1_rules, phase1_cfg,
-                      phase2_cfg, settings: dict, store: ArtifactStore, seed: int, block_size: int,
-                      layers_per_pass: int | None = None, ranks: Ranks | None = None) -> dict[int, dict]:
+def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: CalibrationPool, phase1_rules,
+                      phase1: Phase1Settings, phase2: PoolPhase2Settings, settings: dict, store: ArtifactStore,
+                      seed: int, block_size: int, layers_per_pass: int | None = None,
+                      ranks: Ranks | None = None) -> dict[int, dict]:
     """Phase 1 rules `phase1_rules` on the fit windows' statistics, then Phase 2 on the pool, per layer (in
     place); each layer cached under a key of everything it depends on (`settings` must hold every knob).
     The teacher-forced tensors of a pool are large (about 0.1 GB per SmolLM2 layer), so with `layers_per_pass`
@@ -116,24 +109,25 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
     def calibrate_some(todo: list[int]) -> Iterator[tuple[int, dict]]:
         log.info("full_plus: layers %s on a pool of %d + %d held-out windows", todo, len(pool.fit),
                  len(pool.held_out))
-        with progress(total=len(todo) * int(phase2_cfg.steps), desc="calibrate full_plus", unit="step") as bar:
+        with progress(total=len(todo) * int(phase2.steps), desc="calibrate full_plus", unit="step") as bar:
             for group in layer_groups(todo, layers_per_pass):
                 fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
                 held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
                 for i in group:
                     with float32_master(gdns[i]) as gdn:
                         record = calibrate_layer_on_pool(gdn, i, fit_stats.pop(i), held_stats.pop(i), phase1_rules,
-                                                         phase1_cfg, phase2_cfg, seed, bar)
+                                                         phase1, phase2, seed, bar)
                     yield i, {**record, "cached": False}
 
     return calibrate_shared(gdns, keys, store, ranks or Ranks(), calibrate_some)
 
 
-def calibrate_layer_on_pool(gdn: GatedDeltaNet, layer: int, fit_stats, held_stats, phase1_rules, phase1_cfg,
-                            phase2_cfg, seed: int, progress: tqdm | None = None) -> dict:
+def calibrate_layer_on_pool(gdn: GatedDeltaNet, layer: int, fit_stats, held_stats, phase1_rules,
+                            phase1: Phase1Settings, phase2: PoolPhase2Settings, seed: int,
+                            progress: tqdm | None = None) -> dict:
     """One layer: the Phase 1 rules on the fit windows' statistics, then Phase 2 on the pool; its record."""
-    record = {"phase1": apply_phase1(gdn, fit_stats, phase1_cfg, rules=tuple(phase1_rules))}
-    record["phase2"] = align_on_pool(gdn, teacher_io(gdn, fit_stats), teacher_io(gdn, held_stats), phase2_cfg,
+    record = {"phase1": apply_phase1(gdn, fit_stats, phase1, rules=tuple(phase1_rules))}
+    record["phase2"] = align_on_pool(gdn, teacher_io(gdn, fit_stats), teacher_io(gdn, held_stats), phase2,
                                      layer_generator(seed, layer), progress=progress)
     p2 = record["phase2"]
     log.info("layer %d full_plus: held-out loss %.4g -> %.4g (step %d), cosine %.3f -> %.3f", layer,
