@@ -63,9 +63,45 @@ def check_ratio(ratio) -> None:
         raise SettingError(Key("ratio"), f"={ratio} must lie in (0, 1]")
 
 
+class PolicySettings(Settings):
+    """What a policy's settings answer for the run, which asks them instead of the policy's name: how many layers
+    it keeps, its keep list when known without the teacher (`tcal-plan`), what it needs of the teacher and of the
+    calibration split (keys under `retention.`)."""
+
+    def kept(self, num_layers: int) -> int:
+        raise NotImplementedError
+
+    def keep_setting(self) -> str:
+        """The setting that decides how many layers are kept, as `key=value`."""
+        raise NotImplementedError
+
+    def planned_keep(self, num_layers: int) -> list[int] | None:
+        """The keep list when it is known before the teacher is read; None when it is scored."""
+        return None
+
+    def check_keep(self, num_layers: int) -> None:
+        """What the settings need of a teacher of `num_layers` layers (SettingError)."""
+
+    def teacher_lengths(self) -> list[tuple[str, int]]:
+        """(key, length) of the sequences the policy feeds the teacher."""
+        return []
+
+    def initializes_layers(self) -> bool:
+        """Whether scoring initializes GDN layers with the run's init (which then reads the calibration split)."""
+        return False
+
+    def split_needs(self) -> list[tuple[str, int]]:
+        """(what, tokens) the policy reads of the calibration split, what naming the keys that set it."""
+        return []
+
+    def needle_probe(self) -> tuple[int, int, int] | None:
+        """(seq_len, sequences, seed) of the needle sequences it cuts from the calibration split, if any."""
+        return None
+
+
 @declared
 @dataclass
-class RetentionSettings(Settings):
+class RetentionSettings(PolicySettings):
     """`uniform`: round(ratio * L) layers kept, evenly spaced."""
 
     name: str = setting("uniform", affects=[SCORES, KEEP])
@@ -76,36 +112,13 @@ class RetentionSettings(Settings):
         check_ratio(self.ratio)
 
     def kept(self, num_layers: int) -> int:
-        """How many of `num_layers` layers the policy keeps softmax."""
         return num_kept(self.ratio, num_layers)
 
     def keep_setting(self) -> str:
-        """The setting that decides how many layers are kept, as `key=value` under `retention.`."""
         return f"ratio={self.ratio}"
 
-    def needle_probe(self) -> tuple[int, int, int] | None:
-        """(seq_len, sequences, seed) of the needle sequences the policy cuts from the calibration split, if any."""
-        return None
-
-    def planned_keep(self, num_layers: int) -> list[int] | None:
-        """The keep list when it is known before the teacher is read (`tcal-plan`); None when it is scored."""
+    def planned_keep(self, num_layers: int) -> list[int]:
         return uniform_layers(num_layers, self.ratio)
-
-    def check_keep(self, num_layers: int) -> None:
-        """What the policy's settings need of a teacher of `num_layers` layers (SettingError, keys under
-        `retention.`)."""
-
-    def teacher_lengths(self) -> list[tuple[str, int]]:
-        """(key, length) of the sequences the policy feeds the teacher."""
-        return [("retention.seq_len", self.seq_len)] if hasattr(self, "seq_len") else []
-
-    def initializes_layers(self) -> bool:
-        """Whether scoring initializes GDN layers with the run's init (which then reads the calibration split)."""
-        return False
-
-    def split_needs(self) -> list[tuple[str, int]]:
-        """(what, tokens) the policy reads of the calibration split, what naming the keys that set it."""
-        return []
 
 
 @declared
@@ -128,6 +141,9 @@ class ScoredRetentionSettings(RetentionSettings):
 
     def planned_keep(self, num_layers: int) -> None:
         return None
+
+    def teacher_lengths(self) -> list[tuple[str, int]]:
+        return [("retention.seq_len", self.seq_len)]
 
     def split_needs(self) -> list[tuple[str, int]]:
         return [(f"retention.num_windows={self.num_windows} windows of retention.seq_len={self.seq_len}",
@@ -194,6 +210,9 @@ class RecallRetentionSettings(RetentionSettings):
     def planned_keep(self, num_layers: int) -> None:
         return None
 
+    def teacher_lengths(self) -> list[tuple[str, int]]:
+        return [("retention.seq_len", self.seq_len)]
+
     def check_keep(self, num_layers: int) -> None:
         kept = self.kept(num_layers)
         if self.scored is not None and self.scored > kept:
@@ -209,7 +228,7 @@ class RecallRetentionSettings(RetentionSettings):
 
 @declared
 @dataclass
-class ExplicitRetentionSettings(Settings):
+class ExplicitRetentionSettings(PolicySettings):
     """`explicit`: exactly the layers in `keep`."""
 
     name: str = setting("explicit", affects=[SCORES, KEEP])
@@ -230,9 +249,6 @@ class ExplicitRetentionSettings(Settings):
     def keep_setting(self) -> str:
         return f"keep={list(self.keep)}"
 
-    def needle_probe(self) -> None:
-        return None
-
     def planned_keep(self, num_layers: int) -> list[int]:
         return sorted(int(i) for i in self.keep)
 
@@ -241,12 +257,3 @@ class ExplicitRetentionSettings(Settings):
             validate_keep_layers(list(self.keep), num_layers)
         except ValueError as err:  # the student's words (`keep_layers`) told as the key the user wrote
             raise SettingError(Key("keep"), f"={list(self.keep)}: {str(err).replace('keep_layers ', '')}") from None
-
-    def teacher_lengths(self) -> list[tuple[str, int]]:
-        return []
-
-    def initializes_layers(self) -> bool:
-        return False
-
-    def split_needs(self) -> list[tuple[str, int]]:
-        return []
