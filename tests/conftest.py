@@ -3,6 +3,7 @@ records (results.json) checked against the schema."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -162,22 +163,45 @@ def example_stage(kind: str = "distill", tokens_seen: int = 64, curve: dict | No
             "cached": False}
 
 
+EXAMPLE_SETTINGS = {"teacher.name": "t1", "retention.name": "uniform", "retention.ratio": 0.5, "init.name": "full",
+                    "init.gqa_expansion": "whole_head", "stage": "none"}
+
+
 def example_record(status: str = "complete", failed_after: str | None = None, **fields) -> dict:
     """A record as the pipeline writes it, checked against the schema, for tests: a 4-layer teacher "t1" with
-    layers 0 and 2 kept (uniform, ratio 0.5), init `full`, zero-shot, one eval set (shakespeare). `fields` replace
-    or add fields; a record short of "complete" holds only the fields of its status (and those given)."""
-    from tcal.store.record import check_record, new_record, required_fields
+    layers 0 and 2 kept (uniform, ratio 0.5), init `full`, zero-shot, one eval set (shakespeare). The settings are
+    given by the names version 1 copied them under (`retention`, `ratio`, `init_mode`, `gqa_expansion`, `stage`,
+    `teacher`; ratio None: none) and go into its config, as do the defaults of those not given (a `config` given
+    keeps its own values). `fields` replace or add fields; a record short of "complete" holds only the fields of its
+    status (and those given)."""
+    from tcal.store.record import COPIES, check_record, new_record, required_fields
 
-    record = new_record(teacher="t1", num_layers=4, retention="uniform", ratio=0.5, keep_layers=[0, 2],
-                        retention_scores={}, init_mode="full", gqa_expansion="whole_head", stage="none",
-                        kernel_path="torch-chunk", config={}, timings={"convert": 0.1})
+    settings = {**EXAMPLE_SETTINGS, **{key: fields.pop(copy) for key, copy in COPIES.items() if copy in fields}}
+    config = json.loads(json.dumps(fields.get("config", {"seed": 0})))
+    for key, value in settings.items():
+        group, _, name = key.rpartition(".")
+        if key == "stage":
+            config.setdefault("stage", _stage_config(value))
+        elif value is not None:
+            config.setdefault(group, {}).setdefault(name, value)
+    record = new_record(config, 4, [0, 2], {}, "torch-chunk", {"convert": 0.1})
     record.update(calibration={}, init_weights_digest="0" * 16,
                   metrics={"shakespeare": {"teacher_ppl": 20.0, "student_ppl": 25.0}})
-    record.update(fields)
-    if "config" not in fields:
-        record["config"] = {"seed": 0, "stage": _stage_config(record["stage"])}
+    record.update(fields, config=config)
     record["status"] = status
     if status == "failed":
         record.update(failed_after=failed_after, error=fields.get("error", "RuntimeError: an example failure"))
     kept = {"schema_version", *required_fields(status, failed_after), *fields}
     return check_record({k: v for k, v in record.items() if k in kept}, "example record")
+
+
+def as_version_1(record: dict) -> dict:
+    """`record` as schema version 1 wrote it: its settings also copied to the top level (`COPIES`; the teacher's
+    copy with its depth, which replaces `num_layers`)."""
+    from tcal.store.record import COPIES, check_record, recorded_setting
+
+    old = {key: value for key, value in record.items() if key != "num_layers"}
+    if "num_layers" in record:
+        old.update({copy: recorded_setting(record, key) for key, copy in COPIES.items()})
+        old["teacher"] = {"name": old["teacher"], "num_layers": record["num_layers"]}
+    return check_record({**old, "schema_version": 1}, "example record of version 1")

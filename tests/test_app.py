@@ -20,6 +20,7 @@ from tcal.data.documents import eval_sets, load_splits, token_windows
 from tcal.errors import FolderInUse
 from tcal.evaluate.perplexity import perplexity
 from tcal.pipeline import run
+from tcal.store.record import COPIES, recorded_setting
 from tcal.student.hybrid import HybridForCausalLM
 
 EXTRA_TEXT = "\n".join(
@@ -47,10 +48,11 @@ def test_results_json(smoke_run):
     results = json.loads((run_dir / "results.json").read_text())
     assert results == json.loads(json.dumps(returned))  # what run() returns is what it wrote
     assert results["status"] == "complete"
-    assert results["teacher"] == {"name": "tiny_llama", "num_layers": 4}
-    assert results["retention"] == "uniform"
+    assert (recorded_setting(results, "teacher.name"), results["num_layers"]) == ("tiny_llama", 4)
+    assert recorded_setting(results, "retention.name") == "uniform"
     assert results["keep_layers"] == [0, 2]  # ratio 0.5 of 4 layers
-    assert results["init_mode"] == cfg.init.name  # the config's default init
+    assert recorded_setting(results, "init.name") == cfg.init.name  # the config's default init
+    assert results["config"] == json.loads(json.dumps(cfg.tree())) and not set(COPIES.values()) & set(results)
     assert set(results["metrics"]) == {"shakespeare", "extra"}
     for name, metrics in results["metrics"].items():
         for key in ("teacher_ppl", "student_ppl"):
@@ -217,7 +219,7 @@ def test_experiment_runs_from_the_command_line(name, tmp_path):
     assert proc.returncode == 0, f"{' '.join(command)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     results = json.loads((run_dir / "results.json").read_text())
     assert results["status"] == "complete"
-    assert results["teacher"]["name"] == "tiny_llama"
+    assert recorded_setting(results, "teacher.name") == "tiny_llama"
     for metrics in results["metrics"].values():
         assert math.isfinite(metrics["teacher_ppl"]) and math.isfinite(metrics["student_ppl"])
     assert all(name in proc.stdout for name in results["metrics"])  # the printed table names each eval set

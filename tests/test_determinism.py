@@ -9,7 +9,7 @@ from conftest import compose, isolated_cache_dir
 from safetensors.torch import load_file
 
 from tcal.init import init_student
-from tcal.pipeline import prepare, run
+from tcal.pipeline import Run, run
 from tcal.store.fingerprint import weights_digest
 from tcal.student.convert import build_student
 
@@ -21,7 +21,7 @@ def ctx(tmp_path_factory):
     """The smoke run's context with the calibration cache off: every init is computed, none read back."""
     root = tmp_path_factory.mktemp("determinism")
     cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(root / 'cache')}", "calibration.cache=false")
-    return prepare(cfg, root / "run", {})
+    return Run.prepare(cfg, root / "run")
 
 
 def initialized(ctx, mode: str, seed: int) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from tcal.settings.init import pool_windows
 from tcal.init.full_plus import full_plus_pool
 from tcal.pipeline import run
 from tcal.settings.schedule import lr_factor
+from tcal.store.record import recorded_setting
 from tcal.student.alignment import alignment_metrics
 from tcal.student.convert import naive_gdn
 from tcal.student.gdn import GatedDeltaNet
@@ -187,7 +188,7 @@ def run_full_plus(root: Path, cache: str, name: str, *overrides: str) -> dict:
 def test_full_plus_end_to_end_and_cached(tmp_path):
     cache = isolated_cache_dir(tmp_path / "cache")
     first = run_full_plus(tmp_path, cache, "first")
-    assert first["status"] == "complete" and first["init_mode"] == "full_plus"
+    assert first["status"] == "complete" and recorded_setting(first, "init.name") == "full_plus"
     calibration = first["calibration"]
     assert calibration["pool_tokens"] == 14 * 32 and calibration["held_out_tokens"] == 2 * 32
     assert calibration["pool_seq_len"] == 32

@@ -53,7 +53,7 @@ def test_offline_run_from_a_local_teacher_folder_never_uses_the_network(no_netwo
     cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", "init=naive",
                   f"teacher.path={teacher_folder}", "eval.num_windows=2", "save_student=false", "logger=none")
     results = run(cfg, tmp_path / "run")
-    assert results["status"] == "complete" and results["teacher"]["num_layers"] == 4
+    assert results["status"] == "complete" and results["num_layers"] == 4
 
 
 class Spy:

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import example_record, example_stage
+from conftest import as_version_1, example_record, example_stage
 
 from tcal.cli.app import recorded_run
 from tcal.errors import ConfigError, FolderInUse
@@ -21,6 +21,9 @@ from tcal.store.record import (
     is_stage_record,
     load_record,
     read_record,
+    record_failure,
+    recorded_num_layers,
+    recorded_setting,
     write_record,
 )
 
@@ -49,7 +52,7 @@ def test_a_written_record_reads_back_whole(tmp_path):
     path = tmp_path / "results.json"
     write_record(path, json.loads(json.dumps(record)))
     assert load_record(path) == record
-    assert record["schema_version"] == SCHEMA_VERSION == 1
+    assert record["schema_version"] == SCHEMA_VERSION == 2
     assert record["config"]["stage"] == {"name": "distill", "kind": "distill"}
     running = example_record("trained_align", stage="align_distill", curve=curve,
                              stages={"align": example_stage("align", 64, curve), "distill": {"curve": curve}})
@@ -69,14 +72,14 @@ def test_damaged_json_names_the_file(tmp_path):
 
 @pytest.mark.parametrize("change, field, why", [
     (lambda r: r.update(ratio="half"), "ratio", "expected a number (null for NaN or infinite), got 'half'"),
-    (lambda r: r["teacher"].update(num_layers=4.0), "teacher.num_layers", "expected an integer, got 4.0"),
+    (lambda r: r.update(num_layers=4.0), "num_layers", "expected an integer, got 4.0"),
     (lambda r: r.update(keep_layers=[0, True]), "keep_layers[1]", "expected an integer, got True"),
     (lambda r: r.update(stages={"distill": {**example_stage(), "tokens_seen": "64"}}), "stages.distill.tokens_seen",
      "expected an integer, got '64'"),
     (lambda r: r.update(stages={"distill": {"curve": {}, "steps": 1}}), "stages.distill.kind", "missing"),
     (lambda r: r["metrics"]["shakespeare"].pop("teacher_ppl"), "metrics.shakespeare.teacher_ppl", "missing"),
     (lambda r: r["metrics"]["shakespeare"].update(ppl=1.0), "metrics.shakespeare.ppl", "not a field of this object"),
-    (lambda r: r.pop("init_mode"), "init_mode", "missing (a record with status 'complete' holds it)"),
+    (lambda r: r.pop("num_layers"), "num_layers", "missing (a record with status 'complete' holds it)"),
     (lambda r: r.update(status="running"), "status",
      "'running' is not a status (converted, initialized, trained_<stage>, complete, failed)"),
     (lambda r: r.update(error="boom"), "error", "only a failed record holds it (status is 'complete')"),
@@ -90,25 +93,48 @@ def test_a_field_that_does_not_fit_is_named(tmp_path, change, field, why):
     assert str(err) == f"{tmp_path / 'results.json'}: field {field!r}: {why}"
 
 
-@pytest.mark.parametrize("version", [2, 99, "1", True, None])
+@pytest.mark.parametrize("version", [3, 99, "1", True, None])
 def test_an_unknown_schema_version_is_named(tmp_path, version):
     err = _refused(_write(tmp_path, {**example_record(), "schema_version": version}))
     assert err.field == "schema_version"
-    assert err.why == (f"version {json.dumps(version)} is not one this tcal reads (0, 1); written by another "
+    assert err.why == (f"version {json.dumps(version)} is not one this tcal reads (0, 1, 2); written by another "
                        f"version of tcal?")
 
 
-def test_a_record_without_a_version_is_read_as_version_0_and_rewritten_as_version_1(tmp_path):
-    old = example_record("initialized")
+def test_a_record_without_a_version_is_read_as_version_0_and_rewritten_as_version_2(tmp_path):
+    old = as_version_1(example_record("initialized"))
     del old["schema_version"]
     path = _write(tmp_path, old)
     assert load_record(path) == old
-    incomplete = dict(old)
-    del incomplete["calibration"]
-    assert _refused(_write(tmp_path, incomplete)).field == "calibration"  # version 0 has version 1's fields
+    for field in ("calibration", "init_mode", "teacher"):  # version 0 has version 1's fields
+        assert _refused(_write(tmp_path, {k: v for k, v in old.items() if k != field})).field == field
     path = _write(tmp_path, old)
-    write_record(path, {**example_record("complete"), "schema_version": 0}, earlier=load_record(path))
-    assert load_record(path)["schema_version"] == 1
+    write_record(path, example_record("complete"), earlier=load_record(path))
+    continued = load_record(path)
+    assert continued["schema_version"] == 2 and continued["num_layers"] == 4 and continued["status"] == "complete"
+    assert not {"teacher", "retention", "ratio", "init_mode", "gqa_expansion", "stage"} & set(continued)
+
+
+def test_the_settings_of_a_record_of_any_version_are_read_alike(tmp_path):
+    """Version 2 holds the settings in `config` alone; versions 0 and 1 also copied six to the top level, and an
+    old config may lack a key: its copy is read then. A version 1 record marked failed is rewritten as version 2."""
+    trained = example_record(retention="explicit", ratio=None, init_mode="phase2", gqa_expansion="row_repeat",
+                             stage="align_distill")
+    expected = {"teacher.name": "t1", "retention.name": "explicit", "retention.ratio": None, "init.name": "phase2",
+                "init.gqa_expansion": "row_repeat", "stage": "align_distill"}
+    old = as_version_1(trained)
+    older_config = {**old, "config": {"seed": 0}}
+    for record in (trained, old, older_config, {**older_config, "schema_version": 0}):
+        assert {key: recorded_setting(record, key) for key in expected} == expected
+        assert recorded_num_layers(record) == 4
+    assert old["teacher"] == {"name": "t1", "num_layers": 4} and "num_layers" not in old
+    with pytest.raises(KeyError):
+        recorded_setting({"config": {"seed": 0}}, "init.name")
+    path = _write(tmp_path, old)
+    record_failure(tmp_path, RuntimeError("boom"))
+    failed = load_record(path)
+    assert failed["schema_version"] == 2 and failed["num_layers"] == 4 and failed["failed_after"] == "complete"
+    assert recorded_setting(failed, "init.name") == "phase2"
 
 
 def test_the_fields_required_grow_with_the_status():
@@ -142,9 +168,9 @@ def test_a_resume_or_rerun_names_a_damaged_record_or_an_unknown_version(tmp_path
                                f"JSON object, got 't1'; starting again"]
     with pytest.raises(ConfigError, match=rf"^resume='{tmp_path}': {path}: field 'teacher': expected a JSON object"):
         recorded_run(tmp_path)
-    newer = _write(tmp_path, {**example_record(), "schema_version": 2})
+    newer = _write(tmp_path, {**example_record(), "schema_version": 3})
     kept = newer.read_bytes()
-    with pytest.raises(FolderInUse, match=rf"^{newer}: field 'schema_version': version 2 is not one this tcal reads"):
+    with pytest.raises(FolderInUse, match=rf"^{newer}: field 'schema_version': version 3 is not one this tcal reads"):
         read_record(tmp_path)  # maybe a newer tcal's results: the folder is refused, not run again
     assert newer.read_bytes() == kept
     _write(tmp_path, example_record("failed"))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import example_record, example_stage
+from conftest import as_version_1, example_record, example_stage
 
 from tcal.tools import figures
 from tcal.tools.figures import Reach, efficiency_ratio, fmt_ppl, fmt_ratio
@@ -51,8 +51,8 @@ def multirun(tmp_path):
         "explicit_full": _result("explicit", "full", 21.8, [(500, 21.8), (1000, 21.2), (2000, 20.5)]),
     }
     running = example_record("initialized", init_mode="phase1")
-    no_init = _result("explicit", "phase1", 30.0)
-    del no_init["init_mode"]
+    no_init = as_version_1(_result("explicit", "phase1", 30.0))
+    del no_init["init_mode"]  # version 1 held a copy of the init mode
     diverged = example_record("failed", "initialized", init_mode="zero_gate", error="Divergence: distill: perplexity "
                               "on eval set 'shakespeare' is nan at step 3 (tokens_seen 192)")
     bad_setting = example_record("failed", error="configuration error: retention.ratio=1.5 must lie in (0, 1]",
@@ -145,6 +145,22 @@ def test_report_tables_plots_failed_and_incomplete_runs(multirun, capsys):
     assert damaged[1:] == ["- `no_init/results.json`: field 'init_mode': missing (a record with status 'complete' "
                            "holds it)"]
     assert "8 complete runs, 2 failed, 1 incomplete, 2 damaged." in md
+
+
+def test_records_of_version_1_report_and_plot_alike(multirun, tmp_path):
+    """The same runs recorded as version 1 wrote them (settings copied to the top level, an older config without
+    them) give the same tables and plots."""
+    assert main([str(multirun), "--out", str(tmp_path / "new")]) == 0
+    for path in multirun.glob("*/results.json"):
+        record = json.loads(path.read_text())
+        if record.get("schema_version") == 2 and record["status"] == "complete":
+            old = as_version_1(record)
+            path.write_text(json.dumps({**old, "config": {"seed": 0, "stage": old["config"]["stage"]}}))
+    assert main([str(multirun), "--out", str(tmp_path / "old")]) == 0
+    for name in ("zero_shot.csv", "phase_ablation.csv", "token_efficiency.csv", "report.md"):
+        assert (tmp_path / "old" / name).read_text() == (tmp_path / "new" / name).read_text()
+    assert sorted(p.name for p in (tmp_path / "old").glob("*.png")) == sorted(
+        p.name for p in (tmp_path / "new").glob("*.png")) != []
 
 
 def test_other_baseline_and_out_folder(multirun, tmp_path):
@@ -267,12 +283,12 @@ def test_a_damaged_record_is_named_and_the_good_run_reported(tmp_path, capsys):
     md = (tmp_path / "r" / "report.md").read_text()
     assert "1 complete runs, 0 failed, 0 incomplete, 2 damaged." in md
     assert md.split("## Damaged records")[1].strip().splitlines() == [
-        "- `newer/results.json`: field 'schema_version': version 99 is not one this tcal reads (0, 1); written by "
+        "- `newer/results.json`: field 'schema_version': version 99 is not one this tcal reads (0, 1, 2); written by "
         "another version of tcal?",
         "- `wrong_type/results.json`: field 'keep_layers': expected a list, got '0,2'"]
     assert printed.err.splitlines() == [
         f"tcal-report: not read: {tmp_path / 'm' / 'newer' / 'results.json'}: field 'schema_version': version 99 is "
-        f"not one this tcal reads (0, 1); written by another version of tcal?",
+        f"not one this tcal reads (0, 1, 2); written by another version of tcal?",
         f"tcal-report: not read: {tmp_path / 'm' / 'wrong_type' / 'results.json'}: field 'keep_layers': expected a "
         f"list, got '0,2'"]
     assert printed.out.strip() == md.strip()

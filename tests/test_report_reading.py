@@ -9,7 +9,7 @@ import os
 
 from conftest import example_record
 
-from tcal.store.record import write_record
+from tcal.store.record import recorded_setting, write_record
 from tcal.tools.figures import collect
 from tcal.tools.report import main
 
@@ -77,7 +77,8 @@ def test_a_record_the_report_cannot_use_is_listed_and_the_others_reported(tmp_pa
     put(tmp_path / "m" / "good", result("full", 25.0))
     put(tmp_path / "m" / "odd", result("naive", 30.0))
     normalize = figures._normalize
-    monkeypatch.setattr(figures, "_normalize", lambda path, data: normalize(path, data) if data["init_mode"] == "full"
+    monkeypatch.setattr(figures, "_normalize", lambda path, data: normalize(path, data)
+                        if recorded_setting(data, "init.name") == "full"
                         else (_ for _ in ()).throw(TypeError("something unexpected")))
     found = collect(tmp_path / "m")
     assert [run.init for run in found.runs] == ["full"]

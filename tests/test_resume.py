@@ -22,6 +22,7 @@ from tcal.cli import app
 from tcal.cli.app import check_arguments, run_in
 from tcal.errors import DamagedCheckpoint, FolderInUse
 from tcal.pipeline import run
+from tcal.store.record import recorded_setting
 from tcal.store.rerun import resumed_settings
 
 TINY = ("experiment=smoke", "init=naive", "eval.num_windows=2")
@@ -112,7 +113,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_record(setting, kill, status,
     stage = DISTILL if setting == "distill" else ALIGN_DISTILL
     if kill[0] == "evaluate":
         with monkeypatch.context() as patch:
-            patch.setattr("tcal.api.evaluate", lambda *args: (_ for _ in ()).throw(Kill("killed in evaluation")))
+            patch.setattr("tcal.pipeline.evaluate", lambda *args: (_ for _ in ()).throw(Kill("killed in evaluation")))
             with pytest.raises(Kill):
                 run(cfg_of(cache, stage), run_dir)
     else:
@@ -255,7 +256,7 @@ def test_a_bare_resume_keeps_the_teacher_and_task_name_and_recalibrates_nothing(
     run_in(settings, killed)
     record, straight = read(killed), read(tmp_path / "straight")
     assert record["status"] == "complete"
-    assert record["teacher"]["name"] == "renamed_llama" and record["config"]["task_name"] == "my_task"
+    assert recorded_setting(record, "teacher.name") == "renamed_llama" and record["config"]["task_name"] == "my_task"
     assert record["config"]["paths"]["cache_dir"] == cache
     assert record["calibration"]["layers"] and all(layer["cached"] for layer in record["calibration"]["layers"].values())
     assert record["curve"] == straight["curve"] and record["stages"]["distill"]["resumed"]

@@ -323,5 +323,5 @@ def test_while_a_trainer_runs_every_signal_is_tcal_s_alone(tiny, tmp_path):
     teacher, splits = tiny
     api.distill(api.build_student(teacher, [0, 2]), teacher, splits,
                 DistillSettings(batch_size=2, seq_len=32, eval_every_tokens=64), tokens=128, run_dir=tmp_path,
-                cache_dir=tmp_path / "cache", progress=api.StageProgress(callbacks=[Handlers()]))
+                cache_dir=tmp_path / "cache", callbacks=[Handlers()])
     assert seen and all(handler is signals._handler for handler in seen.values()), seen

@@ -88,7 +88,7 @@ def distill_watched(tiny, tmp_path, monkeypatch, trainer: TrainerSettings):
     with no_garbage_collection():
         student, records = api.distill(api.build_student(teacher, [0, 2]), teacher, splits, stage, trainer=trainer,
                                        run_dir=tmp_path / "run", cache_dir=tmp_path / "cache",
-                                       progress=api.StageProgress(callbacks=[watch]))
+                                       callbacks=[watch])
         alive = watch.alive()
     assert set(records) == {"align", "distill"} and all(records[k]["steps"] == 2 for k in records)
     assert not any(moved)  # cleared at the end of training, before the teardown

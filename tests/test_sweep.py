@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, isolated_cache_dir
 
+from tcal.store.record import recorded_setting
 from tcal.tools.report import build_report
 
 TINY = ["experiment=smoke", "init=naive", "eval.num_windows=2", "save_student=false", "logger=none"]
@@ -47,7 +48,7 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
     diverged, bad_setting, fine = (record(sweep_dir / str(i)) for i in range(3))
     assert (diverged["status"], diverged["failed_after"]) == ("failed", "initialized")
     assert diverged["curve"]["shakespeare"][0]["tokens"] == 0  # what it did before diverging
-    assert bad_setting == {"schema_version": 1, "status": "failed", "failed_after": None,
+    assert bad_setting == {"schema_version": 2, "status": "failed", "failed_after": None,
                            "config": bad_setting["config"],
                            "error": "configuration error: stage.lr_mixer=-1.0; expected a learning rate > 0"}
     assert bad_setting["config"]["stage"]["lr_mixer"] == -1
@@ -73,7 +74,7 @@ def test_a_sweep_into_a_folder_of_another_config_keeps_its_results(tmp_path):
                        f"one of this config: pass another hydra.run.dir / hydra.sweep.dir"]
     assert (sweep_dir / "0" / "results.json").read_bytes() == kept
     replaced = record(sweep_dir / "1")  # held only a failure before any work: no result to keep
-    assert replaced["status"] == "complete" and replaced["ratio"] == 1.0
+    assert replaced["status"] == "complete" and recorded_setting(replaced, "retention.ratio") == 1.0
 
 
 def test_two_sweeps_into_one_folder_each_report_only_their_own_failures(tmp_path):

@@ -21,12 +21,11 @@ import tcal.data.documents
 from tcal.cli.app import recorded_run
 from tcal.data.documents import Document, forget_token_streams, load_splits, token_stream, tokenize_documents
 from tcal.errors import ConfigError
-from tcal.pipeline import prepare, run
+from tcal.pipeline import Run, run
 from tcal.student.convert import build_student
 from tcal.training import data as data_module
 from tcal.training.data import StepSampler, pack
 from tcal.training.kd import chunked_kd_loss
-from tcal.training.run import plan_stages
 from tcal.training.stages import AlignStage, DistillStage
 
 TINY_STAGE = ("stage.batch_size=2", "stage.seq_len=32")
@@ -172,8 +171,8 @@ def occurs_in(windows: torch.Tensor, stream: torch.Tensor) -> list[bool]:
 def test_training_batches_never_hold_calibration_or_evaluation_windows(tmp_path):
     cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", "stage=distill",
                   "stage.batch_size=4", "stage.seq_len=16", "stage.max_tokens=4096", "stage.eval_every_tokens=4096")
-    ctx = prepare(cfg, tmp_path / "run", {})
-    (plan,) = plan_stages(ctx)
+    ctx = Run.prepare(cfg, tmp_path / "run")
+    (plan,) = ctx.plans
     batches = torch.cat(list(plan.data.train_dataloader()))
     assert batches.shape == (4096 // 16, 16)
     train = token_stream(ctx.splits.train, ctx.tokenizer)

@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import logging
 import numbers
 import os
 import types
@@ -65,7 +64,6 @@ from tcal.settings import (
 )
 
 PathLike = typing.Union[str, os.PathLike]
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -226,33 +224,19 @@ def initialize(student: torch.nn.Module, teacher: Teacher, splits: Splits, init:
     return init_student(student, init, ctx)
 
 
-@dataclass
-class StageProgress:
-    """What a caller follows of `distill`'s stages as they run (`tcal` records each in results.json and continues
-    killed runs): `on_curve(kind, curve)` at every evaluation, `on_stage(kind, record, seconds)` when a stage ends,
-    a Lightning `logger` and `callbacks` for every stage's Trainer, and `resume` to continue each stage from its
-    last checkpoint in `run_dir`."""
-
-    resume: bool = False
-    logger: object = None
-    callbacks: list = dataclasses.field(default_factory=list)
-    on_curve: typing.Callable[[str, dict], None] = lambda kind, curve: None
-    on_stage: typing.Callable[[str, dict, float], None] = lambda kind, record, seconds: None
-
-
 @step
 def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: StageSettings | None = None,
             tokens: int | None = None, eval: EvalSettings | None = None, data: DataSettings | None = None,
             trainer: TrainerSettings | None = None, seed: int = 0, run_dir: PathLike | None = None,
-            cache_dir: PathLike | None = None, ranks: Ranks | None = None, progress: StageProgress | None = None):
+            cache_dir: PathLike | None = None, ranks: Ranks | None = None, resume: bool = False, logger: object = None,
+            callbacks: list | None = None):
     """Train the student for one stage (or a sequence) of `stage` (default: Stage 2 distillation), `tokens`
     replacing its token budget; returns (the trained student, the stage records with their perplexity curves on
-    the eval sets of `data`). Under a mixed precision the student trains on float32 weights. This is the training
-    `tcal` runs (`tcal.pipeline`, which passes its ranks and a `progress`)."""
-    import time
-
+    the eval sets of `data`). Under a mixed precision the student trains on float32 weights. A Lightning `logger`
+    and `callbacks` join every stage's Trainer; `resume` continues each stage from its last checkpoint in `run_dir`.
+    This is the training `tcal` runs (`tcal.pipeline`, with the stages planned once with its other checks)."""
     from tcal.store.rerun import holding_folder
-    from tcal.training.run import plan_stages, run_stage
+    from tcal.training.run import plan_stages, train_stages
 
     stage = stage or DistillSettings()
     if tokens is not None:
@@ -262,24 +246,12 @@ def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: S
     check_budgets(settings)
     check_fit([*((f"{key}.seq_len", node.seq_len) for key, node in settings.stage.stages()),
                *settings.eval.lengths()], context_length(teacher))
-    progress = progress or StageProgress()
     ctx = context(teacher, splits, settings, cache_dir, run_dir, ranks)
     check_split_tokens(ctx, ("eval",))  # the stages' curves are measured on these windows
-    ctx.extra_callbacks = list(progress.callbacks)
-    records = {}
-    holding = holding_folder(ctx.run_dir) if ctx.ranks.is_main else contextlib.nullcontext()
-    with holding:  # its checkpoints: one live run per folder (held by rank 0), as for `tcal`
-        plans = plan_stages(ctx)
-        if plans and settings.trainer.mixed and student.dtype != torch.float32:
-            log.info("trainer.precision=%s: the student trains on float32 weights (it was %s); compute is autocast",
-                     settings.trainer.precision, student.dtype)
-            student.float()
-        for plan in plans:
-            start = time.perf_counter()
-            records[plan.kind], student = run_stage(plan, ctx, student, progress.logger,
-                                                    functools.partial(progress.on_curve, plan.kind), progress.resume)
-            progress.on_stage(plan.kind, records[plan.kind], round(time.perf_counter() - start, 3))
-    return student, records
+    ctx.extra_callbacks = list(callbacks or [])
+    # its checkpoints: one live run per folder (held by rank 0), as for `tcal`
+    with holding_folder(ctx.run_dir) if ctx.ranks.is_main else contextlib.nullcontext():
+        return train_stages(plan_stages(ctx), ctx, student, logger, resume)
 
 
 def with_budget(stage, tokens: int):
@@ -318,5 +290,5 @@ def save(student: torch.nn.Module, tokenizer, folder: PathLike) -> Path:
     return export_student(student, tokenizer, Path(folder))
 
 
-__all__ = ["Teacher", "StageProgress", "load_teacher", "load_data", "select_layers", "build_student", "initialize",
+__all__ = ["Teacher", "load_teacher", "load_data", "select_layers", "build_student", "initialize",
            "distill", "evaluate", "save"]

@@ -1,5 +1,5 @@
-"""`RunContext`: what one run's steps share (typed settings and loaded objects), built by `tcal.pipeline` for a
-`tcal` run and by `tcal.api` for each call from Python."""
+"""`RunContext`: what one run's steps share (typed settings and loaded objects): a `tcal` run's `tcal.pipeline.Run`
+extends it, and `tcal.api` builds one for each call from Python."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
 """One run: teacher -> keep list -> student -> init -> training stages -> eval -> export (docs/method.md, section
 "One run").
 
-`run(settings, run_dir)` is what the `tcal` entry calls with the settings it converted (`tcal.settings`); it runs
-the steps of the Python API (`tcal.api`). What the settings need of the machine, the files and the teacher is
-checked once before anything is written (`tcal.preflight`); results.json is rewritten atomically after each step ("status" says how far
-the run got) and at every curve point, so a crash leaves a readable record. With `stage=none` the evaluation
-is zero-shot. A multi-device run starts its ranks first (`tcal.runtime.distributed`); every rank then holds the teacher
-and the student on its own device, the per-layer work is split across ranks, the evaluations are Lightning
-validation over all ranks, and rank 0 writes results.json and exports.
-A resumed run keeps what its record held, and a failure or a signal (`tcal.runtime.signals`) marks the record "failed"
-(`tcal.store.record`).
+`run(settings, run_dir)`, what the `tcal` entry calls with the settings it converted (`tcal.settings`), is the recipe:
+the steps of the Python API (`tcal.api`) on one `Run`, whose settings are checked against the machine, the files
+and the teacher (`tcal.preflight`) and whose stages are planned, once, before anything is written. Its `Record`
+rewrites results.json atomically after each step ("status") and at every curve point, so a crash leaves a readable
+record. With `stage=none` the evaluation is zero-shot. A multi-device run starts its ranks first
+(`tcal.runtime.distributed`); every rank holds the teacher and the student on its own device, the per-layer work is
+split across ranks, the evaluations are Lightning validation over all ranks, and rank 0 writes results.json and
+exports. A resumed run keeps what its record held; a failure or a signal (`tcal.runtime.signals`) marks it failed.
 """
 
 from __future__ import annotations
@@ -17,24 +16,25 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tcal import api
 from tcal.context import RunContext
-from tcal.evaluate.suite import format_table
+from tcal.evaluate.suite import evaluate, format_table
 from tcal.preflight import check_loaded, check_machine
 from tcal.runtime.distributed import Ranks
 from tcal.runtime.signals import handling
 from tcal.settings import RunSettings
 from tcal.store.files import check_folder_target
 from tcal.store.fingerprint import weights_digest
-from tcal.store.record import RESULTS, new_record, read_record, records_failure, write_record
+from tcal.store.record import Record, new_record, read_record, records_failure
 from tcal.store.rerun import check_checkpoints, holds_folder
 from tcal.student.gdn import kernel_path
 from tcal.tracking import finish, log_figures, make_logger, wandb_identity
-from tcal.training.run import data_record, plan_stages
+from tcal.training.run import RecordCallback, StagePlan, data_record, plan_stages, train_stages
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +46,77 @@ def timed(timings: dict, step: str):
     timings[step] = round(time.perf_counter() - start, 3)
 
 
-def prepare(settings: RunSettings, run_dir: Path, timings: dict, ranks: Ranks | None = None) -> RunContext:
-    """The run's teacher (on this rank's device) and its splits."""
-    torch.manual_seed(int(settings.seed))
-    torch.set_flush_denormal(True)  # strongly decaying GDN states underflow; denormals slow CPU math ~10x
-    if settings.eval.harness.name == "paper":
-        from tcal.evaluate.local_tasks import check_paper_tasks_available
+@dataclass
+class Run(RunContext):
+    """One run, built once from complete settings (`Run.prepare`): what its steps read (its `RunContext`), the stages
+    planned, the steps' timings, and from the conversion on its record and metrics logger."""
 
-        check_paper_tasks_available()  # fail before any work when the dataset hub is unreachable
-    ranks = ranks or Ranks()
-    with timed(timings, "load_teacher"):
-        teacher = api.load_teacher(settings.teacher, settings.paths.cache_dir, ranks.device)
-    with timed(timings, "load_data"):
-        splits = api.load_data(settings.data)
-    return RunContext(settings, teacher.model, teacher.tokenizer, splits, Path(settings.paths.cache_dir),
-                      Path(run_dir), ranks=ranks)
+    plans: list[StagePlan] = field(default_factory=list)
+    resume: bool = False
+    timings: dict = field(default_factory=dict)
+    record: Record | None = None
+    logger: object = None
+
+    @classmethod
+    def prepare(cls, settings: RunSettings, run_dir: Path, resume: bool = False, ranks: Ranks | None = None) -> Run:
+        """Every check before any work, the teacher (on this rank's device) and splits loaded, the stages planned: a
+        refusal or a failed load on any rank (a training split too short for one sequence) stops every rank alike."""
+        timings: dict[str, float] = {}
+        ranks = ranks or Ranks()
+        with ranks.together():
+            check_machine(settings)
+            if settings.save_student:
+                check_folder_target(run_dir / "student")  # a `student/` tcal did not write is refused before any work
+            if resume:
+                check_checkpoints(run_dir)  # a damaged one is named before any work
+            torch.manual_seed(int(settings.seed))
+            torch.set_flush_denormal(True)  # strongly decaying GDN states underflow; denormals slow CPU math ~10x
+            with timed(timings, "load_teacher"):
+                teacher = api.load_teacher(settings.teacher, settings.paths.cache_dir, ranks.device)
+            with timed(timings, "load_data"):
+                splits = api.load_data(settings.data)
+            this_run = cls(settings, teacher.model, teacher.tokenizer, splits, Path(settings.paths.cache_dir),
+                           run_dir, ranks=ranks, resume=resume, timings=timings)
+            check_loaded(this_run)
+            with timed(timings, "load_training_data"):
+                this_run.plans = plan_stages(this_run)
+        return this_run
+
+    def begin_record(self, selection) -> Record:
+        """The record of the converted student, written; a resume continues the one on disk."""
+        earlier = read_record(self.run_dir) if self.resume else None
+        wandb = wandb_identity(self.settings, earlier) if self.settings.logger.name == "wandb" else None
+        fields = new_record(self.settings.tree(), self.num_layers, selection.keep_layers, selection.scores,
+                            kernel_path(self.device), self.timings, retention_details=selection.details or None,
+                            data=data_record(self.plans), wandb=wandb)
+        self.record = Record(self.run_dir, fields, earlier, writer=self.ranks.is_main)
+        self.record.save()
+        log.info("keep layers (%s): %s; GDN kernel path: %s", self.settings.retention.name, selection.keep_layers,
+                 kernel_path(self.device))
+        return self.record
+
+    def train(self, student, callbacks: list):
+        """The planned stages; the record takes each curve point and finished stage first (`RecordCallback`)."""
+        self.logger = make_logger(self.settings, self.run_dir, self.record.fields.get("wandb"))
+        self.extra_callbacks = [RecordCallback(self.record), *callbacks]
+        return train_stages(self.plans, self, student, self.logger, self.resume)[0]
+
+    def finish(self, student) -> dict:
+        """On rank 0: the table, the logger's last figures, the export, and the record complete."""
+        fields = self.record.fields
+        if not self.ranks.is_main:
+            return fields
+        print(format_table(fields), flush=True)
+        figures = {"eval": {k: fields[k] for k in ("metrics", "harness", "ruler") if k in fields}}
+        log_figures(self.logger, figures, fields["stages"][self.plans[-1].kind]["tokens_seen"] if self.plans else 0)
+        finish(self.logger)
+        if self.settings.save_student:
+            with timed(self.timings, "save"):
+                api.save(student, self.tokenizer, self.run_dir / "student")
+            fields["student_path"] = str(self.run_dir / "student")
+        self.record.save(status="complete")
+        print(f"results: {self.record.path}", flush=True)
+        return fields
 
 
 @records_failure
@@ -68,100 +124,27 @@ def prepare(settings: RunSettings, run_dir: Path, timings: dict, ranks: Ranks | 
 @holds_folder
 def run(settings: RunSettings, run_dir: str | Path, resume: bool = False, callbacks: list | None = None,
         ranks: Ranks | None = None) -> dict:
-    """The whole job; `resume=True` continues the run in `run_dir` from its last stage checkpoint. `ranks`: this
-    process's place among the run's launched processes (`tcal.runtime.distributed.launch`); None is one process."""
-    run_dir = Path(run_dir)
-    ranks = ranks or Ranks()
-    with ranks.together():  # a refusal or a failed load on any rank stops every rank with the same error
-        check_machine(settings)
-        if settings.save_student:
-            check_folder_target(run_dir / "student")  # a `student/` tcal did not write is refused before any work
-        if resume:
-            check_checkpoints(run_dir)  # a damaged one is named before any work
-        timings: dict[str, float] = {}
-        ctx = prepare(settings, run_dir, timings, ranks)
-        check_loaded(ctx)
-        with timed(timings, "load_training_data"):
-            plans = plan_stages(ctx)  # a training split too short for one sequence fails here, before any work
-    writer = ctx.ranks.is_main
-    teacher = api.Teacher(ctx.teacher, ctx.tokenizer, settings.teacher)
+    """The whole job in the recipe's seven steps: prepare and check, select layers, build the student (the record
+    begins), initialize, train the stages, evaluate, export and complete the record; returns the record. `resume`
+    continues the run in `run_dir` from its last stage checkpoint; `ranks`: this process's place among the run's
+    launched processes (`tcal.runtime.distributed.launch`), None for one process."""
+    this_run = Run.prepare(settings, Path(run_dir), resume, ranks)
+    timings, teacher = this_run.timings, api.Teacher(this_run.teacher, this_run.tokenizer, settings.teacher)
     with timed(timings, "retention"):
-        selection = api.select_layers(teacher, ctx.splits, settings.retention, settings.init, settings.calibration,
-                                      settings.seed, ctx.cache_dir, ctx.ranks, settings.data, settings.trainer)
+        selection = api.select_layers(teacher, this_run.splits, settings.retention, settings.init,
+                                      settings.calibration, settings.seed, this_run.cache_dir, this_run.ranks,
+                                      settings.data, settings.trainer)
     with timed(timings, "convert"):
-        student = api.build_student(ctx.teacher, selection.keep_layers, settings.init.gqa_expansion, settings.seed)
-        student.to(ctx.device)
-    device = ctx.device
-    results = new_record(
-        teacher=settings.teacher.name, num_layers=ctx.num_layers, retention=settings.retention.name,
-        ratio=getattr(settings.retention, "ratio", None), keep_layers=selection.keep_layers,
-        retention_scores=selection.scores, init_mode=settings.init.name, gqa_expansion=settings.init.gqa_expansion,
-        stage=settings.stage.label(), kernel_path=kernel_path(device), config=settings.tree(),
-        timings=timings)
-    if selection.details:
-        results["retention_details"] = selection.details
-    if plans:
-        results["data"] = data_record(plans)
-    results_path = run_dir / RESULTS
-    earlier = read_record(run_dir) if resume else None
-    if settings.logger.name == "wandb":
-        results["wandb"] = wandb_identity(settings, earlier)
-
-    def save_results() -> None:
-        if writer:
-            write_record(results_path, results, earlier)
-
-    save_results()
-    log.info("keep layers (%s): %s; GDN kernel path: %s", settings.retention.name, selection.keep_layers, kernel_path(device))
-
+        student = api.build_student(teacher, selection.keep_layers, settings.init.gqa_expansion,
+                                    settings.seed).to(this_run.device)
+    record = this_run.begin_record(selection)
     with timed(timings, "init"):
-        results["calibration"] = api.initialize(student, teacher, ctx.splits, settings.init, settings.calibration,
-                                                settings.seed, ctx.cache_dir, ctx.ranks, settings.data,
-                                                settings.trainer)
-    results["init_weights_digest"] = weights_digest(student)
-    results["status"] = "initialized"
-    save_results()
-
-    logger = make_logger(settings, run_dir, results.get("wandb"))
-    tokens_seen = 0
-    if plans:
-        def on_curve(kind: str, curve: dict) -> None:
-            results.setdefault("stages", {}).setdefault(kind, {})["curve"] = curve
-            results["curve"] = curve
-            save_results()
-
-        def on_stage(kind: str, record: dict, seconds: float) -> None:
-            nonlocal tokens_seen
-            timings[f"stage_{kind}"] = seconds
-            results.setdefault("stages", {})[kind] = record
-            results["curve"] = record["curve"]
-            results["status"] = f"trained_{kind}"
-            tokens_seen = record["tokens_seen"]
-            save_results()
-
-        progress = api.StageProgress(resume=resume, logger=logger, callbacks=list(callbacks or []),
-                                     on_curve=on_curve, on_stage=on_stage)
-        student, _ = api.distill(student, teacher, ctx.splits, settings.stage, eval=settings.eval,
-                                 data=settings.data, trainer=settings.trainer, seed=settings.seed, run_dir=run_dir,
-                                 cache_dir=ctx.cache_dir, ranks=ctx.ranks, progress=progress)
-
-    student.eval()
-    log.info("final evaluation: %s", ", ".join(n for n in ("perplexity", settings.eval.harness.name != "none" and
-                                                           "harness", settings.eval.ruler.name != "none" and "RULER")
-                                               if n))
+        calibration = api.initialize(student, teacher, this_run.splits, settings.init, settings.calibration,
+                                     settings.seed, this_run.cache_dir, this_run.ranks, settings.data, settings.trainer)
+    record.save(status="initialized", calibration=calibration, init_weights_digest=weights_digest(student))
+    student = this_run.train(student, list(callbacks or [])).eval()
+    log.info("final evaluation: %s", ", ".join(name for name, on in (("perplexity", True), (
+        "harness", settings.eval.harness.name != "none"), ("RULER", settings.eval.ruler.name != "none")) if on))
     with timed(timings, "evaluate"):
-        results.update(api.evaluate(student, teacher, ctx.splits, settings.eval, settings.data, settings.trainer,
-                                    ctx.cache_dir, ctx.ranks))
-    if not writer:
-        return results
-    print(format_table(results), flush=True)
-    log_figures(logger, {"eval": {k: results[k] for k in ("metrics", "harness", "ruler") if k in results}}, tokens_seen)
-    finish(logger)
-    if settings.save_student:
-        with timed(timings, "save"):
-            api.save(student, ctx.tokenizer, run_dir / "student")
-        results["student_path"] = str(run_dir / "student")
-    results["status"] = "complete"
-    save_results()
-    print(f"results: {results_path}", flush=True)
-    return results
+        record.fields.update(evaluate(this_run, student))
+    return this_run.finish(student)

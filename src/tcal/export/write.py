@@ -15,7 +15,6 @@ import json
 import logging
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -178,9 +177,3 @@ def _engine_record(folder: Path, student, prompts, serve_python: Path | None) ->
     if not engine["passed"]:
         raise ParityFailed(f"--format vllm: vLLM's bf16 output fails the agreement rule ({engine['summary']})")
     return {"checked": True, **engine}
-
-
-def default_serve_python() -> Path | None:
-    """`.venv-serve/bin/python` of the working folder when `make serve-check` built it, else None."""
-    candidate = Path(".venv-serve") / "bin" / "python"
-    return candidate if candidate.is_file() and candidate.resolve() != Path(sys.executable).resolve() else None

@@ -75,9 +75,6 @@ class DataSettings(Settings):
             raise SettingError(Key("eval_files"), f": eval set name {repeated[0]!r} is used twice (eval sets are "
                                f"named by file stem; the held-out split is {self.name!r})")
 
-    def eval_set_names(self) -> list[str]:
-        return [self.name] + [Path(path).stem for path in self.eval_files]
-
 
 @declared
 @dataclass

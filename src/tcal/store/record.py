@@ -1,8 +1,8 @@
 """A run's record, `results.json`: its schema, how far the run got, and everything it found, kept whole across
 kills, resumes and failures (docs/method.md, section "The record: results.json").
 
-- One schema (`FIELDS`, version `SCHEMA_VERSION`): `new_record` starts the record, `write_record` checks it before
-  every write, `load_record` checks it on every read.
+- One schema (`FIELDS`, version `SCHEMA_VERSION`): a run's `Record` writes it (through `write_record`, which checks
+  it before every write, on rank 0 only), `load_record` checks it on every read.
 - `status` says how far the run got: converted, initialized, trained_<stage> (in stage order), complete; or
   failed, with `error` (what stopped it, on one line; `interrupted by SIGTERM (signal 15)` for a signal) and
   `failed_after` (the status it had reached). The fields a
@@ -10,8 +10,8 @@ kills, resumes and failures (docs/method.md, section "The record: results.json")
 - A resumed run starts from the record on disk: what it writes replaces those fields, everything else it held
   (curves, stage records) stays until replaced, and the status never goes back.
 - Strict JSON: NaN and infinite numbers are written as null and listed under `non_finite`.
-- A record without `schema_version` was written before the field existed: it is read as version 0, whose fields
-  are version 1's, and rewritten as version 1 when its run continues.
+- The settings are in `config` alone; versions 0 (no `schema_version`) and 1 also copied six to the top level.
+  `recorded_setting` reads them from a record of any version; a record rewritten takes this version.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from tcal.store.files import null_non_finite, write_json_atomic
 log = logging.getLogger(__name__)
 
 RESULTS = "results.json"
-SCHEMA_VERSION = 1
-READABLE_VERSIONS = (0, 1)
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (0, 1, 2)
+OLD = (0, 1)  # the versions that copied settings to the top level (`COPIES`)
 FAILURE_KEYS = ("error", "failed_after")
 NON_FINITE = "non_finite"
 STEPS = ("converted", "initialized", "trained", "complete")  # what a status has reached, in order
@@ -156,12 +157,13 @@ RULER = shape({"teacher": dict_of(dict_of(NUMBER)), "student": dict_of(dict_of(N
 
 @dataclass(frozen=True)
 class Field:
-    """One top-level field: its type, and the step from which every record holds it (None: it may be absent;
-    "failed": only a failed record holds it)."""
+    """One top-level field: its type, the step from which every record holds it (None: it may be absent;
+    "failed": only a failed record holds it), and the schema versions whose records hold it then."""
 
     check: Check
     since: str | None
     about: str
+    versions: tuple[int, ...] = READABLE_VERSIONS
 
 
 FIELDS: dict[str, Field] = {
@@ -170,16 +172,17 @@ FIELDS: dict[str, Field] = {
     "error": Field(TEXT, "failed", "what stopped a failed run, on one line"),
     "failed_after": Field(nullable(_status), "failed", "the status a failed run had reached (null: nothing)"),
     "config": Field(OBJECT, "converted", "the resolved Hydra config of the run"),
-    "teacher": Field(shape({"name": TEXT, "num_layers": INTEGER}), "converted", "the teacher and its depth"),
-    "retention": Field(TEXT, "converted", "the retention policy"),
-    "ratio": Field(NUMBER, "converted", "the share of layers kept (null for the explicit policy)"),
+    "num_layers": Field(INTEGER, "converted", "the teacher's depth", (2,)),
+    "teacher": Field(shape({"name": TEXT, "num_layers": INTEGER}), "converted", "0-1: the teacher, its depth", OLD),
+    "retention": Field(TEXT, "converted", "versions 0-1: the retention policy", OLD),
+    "ratio": Field(NUMBER, "converted", "versions 0-1: the share of layers kept (null: explicit policy)", OLD),
     "keep_layers": Field(list_of(INTEGER), "converted", "the layers that stay softmax attention"),
     "retention_scores": Field(dict_of(NUMBER), "converted", "layer -> the policy's score"),
     "retention_details": Field(OBJECT, None, "what the policy measured besides the scores (recall: both loss "
                                              "rises per layer, the layers chosen by the score, scoring seconds)"),
-    "init_mode": Field(TEXT, "converted", "the init mode"),
-    "gqa_expansion": Field(TEXT, "converted", "how KV heads were expanded in the conversion"),
-    "stage": Field(TEXT, "converted", "the training stages (none: zero-shot)"),
+    "init_mode": Field(TEXT, "converted", "versions 0-1: the init mode", OLD),
+    "gqa_expansion": Field(TEXT, "converted", "versions 0-1: how KV heads were expanded", OLD),
+    "stage": Field(TEXT, "converted", "versions 0-1: the training stages (none: zero-shot)", OLD),
     "kernel_path": Field(TEXT, "converted", "the GDN kernel the run used"),
     "timings": Field(dict_of(NUMBER), "converted", "step -> seconds"),
     "calibration": Field(OBJECT, "initialized", "what the init mode measured"),
@@ -206,13 +209,13 @@ def _step(status: str | None) -> int:
     return STEPS.index("trained" if status.startswith("trained_") else status)
 
 
-def required_fields(status: str, failed_after: str | None = None) -> list[str]:
-    """The fields every record of `status` holds (a failed one: those of the status it had reached, and its
-    error)."""
+def required_fields(status: str, failed_after: str | None = None, version: int = SCHEMA_VERSION) -> list[str]:
+    """The fields every record of `status` and schema `version` holds (a failed one: those of the status it had
+    reached, and its error)."""
     reached = _step(failed_after if status == "failed" else status)
-    return [name for name, spec in FIELDS.items()
-            if spec.since == "always" or spec.since == "failed" and status == "failed"
-            or spec.since in STEPS and reached >= STEPS.index(spec.since)]
+    return [name for name, spec in FIELDS.items() if version in spec.versions and (
+            spec.since == "always" or spec.since == "failed" and status == "failed"
+            or spec.since in STEPS and reached >= STEPS.index(spec.since))]
 
 
 def _check_fields(data: dict) -> None:
@@ -223,7 +226,7 @@ def _check_fields(data: dict) -> None:
     if "status" not in data:
         raise _Mismatch("status", "missing")
     status = data["status"]
-    for name in required_fields(status, data.get("failed_after")):
+    for name in required_fields(status, data.get("failed_after"), data.get("schema_version", 0)):
         if name not in data:
             raise _Mismatch(name, f"missing (a record with status {status!r} holds it)")
     for name in FAILURE_KEYS:
@@ -288,15 +291,56 @@ def read_record(run_dir: str | Path) -> dict | None:
         return None
 
 
-def new_record(*, teacher: str, num_layers: int, retention: str, ratio: float | None, keep_layers: list[int],
-               retention_scores: dict, init_mode: str, gqa_expansion: str, stage: str, kernel_path: str,
-               config: dict, timings: dict) -> dict:
-    """The record of a run that has just converted its student."""
-    return {"schema_version": SCHEMA_VERSION, "teacher": {"name": teacher, "num_layers": num_layers},
-            "retention": retention, "ratio": ratio, "keep_layers": list(keep_layers),
-            "retention_scores": {str(k): v for k, v in retention_scores.items()}, "init_mode": init_mode,
-            "gqa_expansion": gqa_expansion, "stage": stage, "kernel_path": kernel_path, "config": config,
-            "status": "converted", "timings": timings}
+def new_record(config: dict, num_layers: int, keep_layers: list[int], retention_scores: dict, kernel_path: str,
+               timings: dict, **optional) -> dict:
+    """The record of a run that has just converted its student: `config` is its settings' tree; `optional`
+    fields given None are left out."""
+    return {"schema_version": SCHEMA_VERSION, "status": "converted", "config": config, "num_layers": num_layers,
+            "keep_layers": list(keep_layers), "retention_scores": {str(k): v for k, v in retention_scores.items()},
+            "kernel_path": kernel_path, "timings": timings,
+            **{name: value for name, value in optional.items() if value is not None}}
+
+
+class Record:
+    """The record of the run in progress, `run_dir/results.json`: begun when its student is converted (`new_record`),
+    saved at each status and every curve point so a crash leaves a readable record, by the writing rank (rank 0)
+    alone, each time merged with the record a resumed run continues (`write_record`)."""
+
+    def __init__(self, run_dir: str | Path, fields: dict, earlier: dict | None = None, writer: bool = True):
+        self.path, self.fields, self.earlier, self.writer = Path(run_dir) / RESULTS, fields, earlier, writer
+
+    def save(self, **fields) -> None:
+        """Add `fields` (a `status` the run has reached among them) and write the record."""
+        self.fields.update(fields)
+        if self.writer:
+            write_record(self.path, self.fields, self.earlier)
+
+
+_ABSENT = object()
+# the settings versions 0 and 1 copied to the top level: config key -> the field of the copy
+COPIES = {"teacher.name": "teacher", "retention.name": "retention", "retention.ratio": "ratio",
+          "init.name": "init_mode", "init.gqa_expansion": "gqa_expansion", "stage": "stage"}
+
+
+def recorded_setting(record: dict, key: str):
+    """The setting `key` (one of `COPIES`) of a record's run: from its `config`, else from the top-level copy an
+    older record holds (its config may lack the key). The stage is its label (`align_distill`). KeyError when the
+    record holds neither."""
+    node = record.get("config") or {}
+    for part in key.split("."):
+        node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+    if node is not _ABSENT:
+        return ("_".join(node["sequence"]) if node.get("sequence") else node["name"]) if key == "stage" else node
+    if COPIES[key] in record:
+        return record["teacher"]["name"] if key == "teacher.name" else record[COPIES[key]]
+    if key == "retention.ratio" and "retention" in (record.get("config") or {}):
+        return None  # the explicit policy has no ratio
+    raise KeyError(key)
+
+
+def recorded_num_layers(record: dict) -> int:
+    """The teacher's depth (in versions 0 and 1: its copy's)."""
+    return record["num_layers"] if "num_layers" in record else record["teacher"]["num_layers"]
 
 
 def reached(record: dict) -> str | None:
@@ -315,15 +359,17 @@ def progress(record: dict) -> int:
 
 
 def write_record(path: str | Path, results: dict, earlier: dict | None = None) -> None:
-    """Write `results` atomically, first brought up to what is recorded: the fields of `earlier` (the record
-    this run continues) it does not have yet, the further of the two statuses, non-finite values as null, this
-    schema's version. A record that does not fit the schema is refused (RecordError) before anything is written."""
+    """Write `results` atomically, first brought up to what is recorded: the fields of `earlier` (the record this run
+    continues) it lacks but the old versions' copies of settings, the further status, non-finite values as null, this
+    version (`num_layers` from an old teacher copy). One not fitting the schema is refused (RecordError) unwritten."""
     if earlier:
         for key, value in earlier.items():
-            if key not in FAILURE_KEYS and key != NON_FINITE:
+            if key not in FAILURE_KEYS and key != NON_FINITE and FIELDS[key].versions != OLD:
                 results.setdefault(key, value)
         if progress(earlier) > progress(results):
             results["status"] = reached(earlier)
+    if isinstance(results.get("teacher"), dict):
+        results.setdefault("num_layers", results["teacher"]["num_layers"])
     results.pop(NON_FINITE, None)
     found = null_non_finite(results)
     if found:

@@ -26,9 +26,6 @@ class TeacherAdapter:
     def attention(self, model: nn.Module, layer: int) -> nn.Module:
         return self.decoder_layers(model)[layer].self_attn
 
-    def input_norm(self, model: nn.Module, layer: int) -> nn.Module:
-        return self.decoder_layers(model)[layer].input_layernorm
-
     def heads(self, config) -> tuple[int, int, int]:
         """(query heads, KV heads, head_dim)."""
         query_heads = config.num_attention_heads

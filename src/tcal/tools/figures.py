@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tcal.evaluate.local_tasks import nlu_average
 from tcal.store.files import flatten, write_atomic, write_text_atomic
-from tcal.store.record import RESULTS, RecordError, load_record
+from tcal.store.record import COPIES, RESULTS, RecordError, load_record, recorded_num_layers, recorded_setting
 
 INIT_ORDER = ("naive", "zero_gate", "small_gate", "phase1", "phase2", "full", "full_plus")
 POLICY_ORDER = ("uniform", "ar", "ga_s2", "recall", "explicit")  # the paper's table order
@@ -115,16 +115,16 @@ def load_run(path: Path) -> Run:
 
 
 def _normalize(path: Path, data: dict) -> Run:
-    metrics = data["metrics"]
-    ratio = data["ratio"]
+    metrics, num_layers = data["metrics"], recorded_num_layers(data)
+    teacher, policy, ratio, init_mode, gqa_expansion, stage = (recorded_setting(data, key) for key in COPIES)
     if ratio is None:
-        ratio = len(data["keep_layers"]) / data["teacher"]["num_layers"]
+        ratio = len(data["keep_layers"]) / num_layers
     if not _ppl_by_set(metrics, "student_ppl"):
         raise IncompleteRun("'metrics' holds no student perplexity (no eval set, or each null: NaN or infinite)")
     harness, ruler = data.get("harness") or {}, data.get("ruler") or {}
     return Run(
-        path=path, teacher=data["teacher"]["name"], policy=data["retention"], ratio=round(float(ratio), 4),
-        init_mode=data["init_mode"], gqa_expansion=data["gqa_expansion"],
+        path=path, teacher=teacher, policy=policy, ratio=round(float(ratio), 4), init_mode=init_mode,
+        gqa_expansion=gqa_expansion,
         teacher_ppl=_ppl_by_set(metrics, "teacher_ppl"), student_ppl=_ppl_by_set(metrics, "student_ppl"),
         nlu={role: nlu_average(harness[role]) if harness.get(role) else None for role in ("teacher", "student")},
         ruler={role: _mean(v for by_task in (ruler.get(role) or {}).values() for v in by_task.values()
@@ -132,10 +132,10 @@ def _normalize(path: Path, data: dict) -> Run:
         curve=_curve_points(data.get("curve") or {}),
         by_position={name: [_position_bucket(b) for b in m["by_position"]] for name, m in metrics.items()
                      if m.get("by_position")},
-        stage=data["stage"], tokens_trained=sum(r["tokens_seen"] for r in (data.get("stages") or {}).values()),
+        stage=stage, tokens_trained=sum(r["tokens_seen"] for r in (data.get("stages") or {}).values()),
         config=flatten(data.get("config") or {}), reported_keys=reported_keys(data.get("config") or {}),
         ruler_cells={role: _ruler_cells(ruler, role, data.get("config") or {}) for role in ("teacher", "student")},
-        keep_layers=list(data["keep_layers"]), num_layers=int(data["teacher"]["num_layers"]),
+        keep_layers=list(data["keep_layers"]), num_layers=int(num_layers),
         retention_details=data.get("retention_details") or {},
         retention_seconds=(data.get("timings") or {}).get("retention"),
     )

@@ -1,6 +1,6 @@
 """Running the stages of the `stage` setting after the init: planning (checked before any work), Lightning Trainers,
 checkpoints and resume, the Stage 1 cache (`tcal.store.cache`, kind `stage1`), and the stage records of results.json
-(their fields: `tcal.store.record`).
+(their fields: `tcal.store.record`), which a Lightning callback writes as the stages go (`RecordCallback`).
 
 `stage=none` has no stages; `align` and `distill` have one; `align_distill` runs `stage.align` then
 `stage.distill`. Budgets are tokens: a stage runs max_tokens // (batch_size * seq_len * world size) steps and
@@ -32,7 +32,7 @@ from tcal.settings.relevance import cache_settings
 from tcal.store.cache import Codec, get_or_build, tensor_codec
 from tcal.store.files import atomic_checkpoint_io
 from tcal.store.fingerprint import digest, plain, teacher_fingerprint, weights_digest
-from tcal.store.record import is_stage_record
+from tcal.store.record import Record, is_stage_record
 from tcal.store.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
 from tcal.tracking import drop_rows_after, log_curve
@@ -78,20 +78,8 @@ def plan_stages(ctx) -> list[StagePlan]:
         module.reading = reading
         plans.append(StagePlan(node.kind, node, prefix, module, steps.total, steps.eval_every, steps.tokens_per_step))
     if ctx.ranks.is_main:
-        state_reading(ctx.splits, reading_line(describe_reading(tokens.key, tokens.num_tokens, readings)))
+        print(reading_line(describe_reading(tokens.key, tokens.num_tokens, readings)), flush=True)
     return plans
-
-
-_stated: tuple[object, str] | None = None  # (the splits, the line) stated last
-
-
-def state_reading(splits, line: str) -> None:
-    """Print the reading statement, once for a run: `tcal` plans its stages before any work and `api.distill` plans
-    them again with the same splits."""
-    global _stated
-    if _stated is None or _stated[0] is not splits or _stated[1] != line:
-        print(line, flush=True)
-        _stated = (splits, line)
 
 
 def data_record(plans: list[StagePlan]) -> dict | None:
@@ -248,12 +236,6 @@ def loss_text(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def student_weights(state: dict) -> dict:
-    """The student's entries of a LightningModule state dict (wrappers' prefixes such as `_forward_module.` cut)."""
-    marker = "student."
-    return {key[key.index(marker) + len(marker):]: value for key, value in state.items() if marker in key}
-
-
 def unsharded_student(trainer, student, ctx, kind: str):
     """The trained student as a plain module on the run's device, on every rank. One device and DDP train the
     student's own parameters: it is returned as it is. Under FSDP every rank gathers the full weights (one copy,
@@ -328,30 +310,63 @@ def rebuilt_from(student, state: dict):
     return fresh
 
 
-def run_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
+class RecordCallback(L.Callback):
+    """Writes into the run's `Record` the curve so far at every evaluation's end (rank 0 holds it) and each stage's
+    record and status `trained_<kind>` as the stage ends (`train_stages`)."""
+
+    def __init__(self, record: Record):
+        self.record = record
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.record.fields.setdefault("stages", {}).setdefault(pl_module.kind, {})["curve"] = pl_module.curve
+            self.record.save(curve=pl_module.curve)
+
+    def on_stage_end(self, kind: str, stage_record: dict, seconds: float) -> None:
+        self.record.fields["timings"][f"stage_{kind}"] = seconds
+        self.record.fields.setdefault("stages", {})[kind] = stage_record
+        self.record.save(status=f"trained_{kind}", curve=stage_record["curve"])
+
+
+def train_stages(plans: list[StagePlan], ctx, student, logger=None, resume: bool = False):
+    """Train `student` through the planned stages, `ctx.extra_callbacks` on every stage's Trainer (a `RecordCallback`
+    also hears each stage end); returns (the student, the stage records). Mixed precision trains float32 weights."""
+    if plans and ctx.settings.trainer.mixed and student.dtype != torch.float32:
+        log.info("trainer.precision=%s: the student trains on float32 weights (it was %s); compute is autocast",
+                 ctx.settings.trainer.precision, student.dtype)
+        student.float()
+    records = {}
+    for plan in plans:
+        start = time.perf_counter()
+        records[plan.kind], student = run_stage(plan, ctx, student, logger, resume)
+        for callback in ctx.extra_callbacks:
+            if isinstance(callback, RecordCallback):
+                callback.on_stage_end(plan.kind, records[plan.kind], round(time.perf_counter() - start, 3))
+    return student, records
+
+
+def run_stage(plan: StagePlan, ctx, student, logger, resume: bool):
     """Train `student` for one stage; returns (the stage's record: summary and curve, the trained student). The
     student is trained in place except under FSDP, whose full weights come back in a plain module."""
     if plan.kind == "align":
         folder = ctx.cache_dir / "stage1" / ctx.settings.teacher.name if plan.cfg.cache else None
         record, student = get_or_build("stage1", stage1_key(ctx, student, plan),
-                                       lambda: train_stage(plan, ctx, student, logger, on_curve, resume),
+                                       lambda: train_stage(plan, ctx, student, logger, resume),
                                        folder=folder, codec=stage1_codec(student), ranks=ctx.ranks)
         if record["cached"]:
-            on_curve(record["curve"])
             log_curve(logger, plan.kind, record["curve"])  # its panels as a computed stage has them
         return record, student
-    return train_stage(plan, ctx, student, logger, on_curve, resume)
+    return train_stage(plan, ctx, student, logger, resume)
 
 
-def train_stage(plan: StagePlan, ctx, student, logger, on_curve, resume: bool):
+def train_stage(plan: StagePlan, ctx, student, logger, resume: bool):
     """`run_stage` without the Stage 1 cache."""
     settings = ctx.settings
     ev = settings.eval
     windows = curve_windows(ctx)
     plan.data.eval_loaders = lambda: eval_dataloaders(windows, int(ev.batch_size), ctx.ranks.rank,
                                                       ctx.ranks.world_size)
-    module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps, eval_names=list(windows),
-                               on_curve=on_curve)
+    module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps, eval_names=list(windows))
     trainer = make_trainer(settings.trainer, plan, ctx.run_dir, logger, ctx.extra_callbacks)
     last = stage_checkpoint(ctx.run_dir, plan.kind) if resume else None
     ckpt_path = str(last) if last is not None else None

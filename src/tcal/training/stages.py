@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
 
 import torch
 
@@ -84,13 +83,12 @@ class StageModule(PerplexityValidation):
 
     kind = "stage"
 
-    def __init__(self, student, teacher, cfg, total_steps: int, eval_names=(),
-                 on_curve: Callable[[Curve], None] = lambda curve: None):
+    def __init__(self, student, teacher, cfg, total_steps: int, eval_names=()):
         super().__init__()
         self.student = student
         self._frozen = {"teacher": teacher}  # a plain dict: not a submodule
         self.cfg, self.total_steps = cfg, int(total_steps)
-        self.eval_names, self.on_curve = list(eval_names), on_curve
+        self.eval_names = list(eval_names)
         self.curve: Curve = {name: [] for name in self.eval_names}
         self.last_eval_tokens: int | None = None
         self.tokens_seen = 0
@@ -231,9 +229,9 @@ class StageModule(PerplexityValidation):
         return self.student
 
     def on_perplexities(self, ppl: dict[str, float]) -> None:
-        """One curve point per eval set at `tokens_seen`: logged with it as the step, handed to `on_curve`. A
-        non-finite perplexity stops the stage on every rank (the sums were reduced over ranks, so all of them see
-        it) before the point or a checkpoint is kept."""
+        """One curve point per eval set at `tokens_seen`: logged with it as the step, kept in `curve` (for the record:
+        `tcal.training.run.RecordCallback`). A non-finite perplexity stops the stage on every rank (the sums were
+        reduced over ranks, so all of them see it) before the point or a checkpoint is kept."""
         tokens = int(self.tokens_seen)
         for name, value in ppl.items():
             check_finite(value, lambda value, name=name: Divergence.in_stage(
@@ -247,7 +245,6 @@ class StageModule(PerplexityValidation):
         for logger in self.trainer.loggers:
             logger.log_metrics({**metrics, tokens_metric(self.kind): float(tokens)}, step=tokens)
         log.info("%s at %d tokens: %s", self.kind, tokens, ", ".join(f"ppl {n} {v:.2f}" for n, v in ppl.items()))
-        self.on_curve(self.curve)
 
     def on_fit_end(self) -> None:
         """A fit resumed from a checkpoint of its last step trains nothing and skips on_train_end: gather here."""
