@@ -123,7 +123,7 @@ def test_stage1_cache_key_tells_precisions_apart():
 
     teacher = make_teacher("llama", seed=3)
     student = build_student(teacher, [0, 2], seed=0)
-    plan = SimpleNamespace(cfg=compose("stage=align").stage, data=SimpleNamespace(windows_key="the same windows",
+    plan = SimpleNamespace(settings=compose("stage=align").stage, data=SimpleNamespace(windows_key="the same windows",
                                                                                 retrieval_mix=0.0))
     tokenizer = load_tokenizer(compose("teacher=tiny_llama").teacher, repo_cache_dir())
     splits = load_splits(compose().data)

@@ -107,7 +107,7 @@ def test_the_mix_keys_the_stage1_cache(train_docs, tokenizer):
     for mix in (0.0, 0.25, 0.5):
         ctx = SimpleNamespace(teacher=teacher, settings=compose("stage=align", f"data.retrieval_mix={mix}"),
                               tokenizer=tokenizer, splits=splits)
-        plan = SimpleNamespace(cfg=ctx.settings.stage, data=module(train_docs, tokenizer, mix=mix))
+        plan = SimpleNamespace(settings=ctx.settings.stage, data=module(train_docs, tokenizer, mix=mix))
         keys.append(stage1_key(ctx, Student(), plan))
     assert len(set(keys)) == 3
 

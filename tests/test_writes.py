@@ -208,7 +208,7 @@ def test_the_trainer_writes_checkpoints_with_the_atomic_io(tmp_path):
     from tcal.settings import TrainerSettings
     from tcal.training.run import make_trainer
 
-    plan = SimpleNamespace(kind="distill", total_steps=1, eval_every_steps=1, cfg=SimpleNamespace(grad_clip=1.0))
+    plan = SimpleNamespace(kind="distill", total_steps=1, eval_every_steps=1, settings=SimpleNamespace(grad_clip=1.0))
     trainer = make_trainer(TrainerSettings(), plan, tmp_path, None, [])
     assert isinstance(trainer.strategy.checkpoint_io, atomic_checkpoint_io())
 

@@ -28,6 +28,7 @@ from tcal.evaluate.validation import eval_dataloaders
 from tcal.runtime.distributed import world_size
 from tcal.runtime.lightning_output import trainer_callbacks
 from tcal.settings import TrainerSettings
+from tcal.settings.stage import TrainingStageSettings
 from tcal.settings.relevance import cache_settings
 from tcal.store.cache import Codec, get_or_build, tensor_codec
 from tcal.store.files import atomic_checkpoint_io
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class StagePlan:
     kind: str
-    cfg: object
+    settings: TrainingStageSettings
     prefix: str
     data: PackedTextDataModule
     total_steps: int
@@ -95,7 +96,7 @@ def stage1_key(ctx, student, plan: StagePlan) -> str:
     windows, the number of ranks, and every setting that changes a trained student or its curve, of a run whose
     stage is this one (so `stage=align` and the Stage 1 of `stage=align_distill` share entries)."""
     gdn_start = gdn_state(student).values()  # hashed tensor by tensor (fingerprint.digest streams tensors)
-    alone = dataclasses.replace(ctx.settings, stage=plan.cfg)
+    alone = dataclasses.replace(ctx.settings, stage=plan.settings)
     return digest(teacher_fingerprint(ctx.teacher), student.config.keep_layers, *gdn_start,
                   cache_settings("stage1", alone), plan.data.windows_key, world_size(ctx.settings.trainer),
                   *curve_windows(ctx).values())
@@ -201,7 +202,7 @@ def make_trainer(trainer_settings: TrainerSettings, plan: StagePlan, run_dir: Pa
     return L.Trainer(
         accelerator=trainer_cfg.accelerator, devices=trainer_cfg.devices, num_nodes=trainer_cfg.num_nodes,
         strategy=strategy, precision=trainer_cfg.precision, max_steps=plan.total_steps, max_epochs=-1,
-        gradient_clip_val=plan.cfg.grad_clip, logger=logger if logger is not None else False,
+        gradient_clip_val=plan.settings.grad_clip, logger=logger if logger is not None else False,
         callbacks=trainer_callbacks([*callbacks, checkpoint]), default_root_dir=str(run_dir),
         use_distributed_sampler=False, val_check_interval=plan.eval_every_steps, check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
@@ -349,7 +350,7 @@ def run_stage(plan: StagePlan, ctx, student, logger, resume: bool):
     """Train `student` for one stage; returns (the stage's record: summary and curve, the trained student). The
     student is trained in place except under FSDP, whose full weights come back in a plain module."""
     if plan.kind == "align":
-        folder = ctx.cache_dir / "stage1" / ctx.settings.teacher.name if plan.cfg.cache else None
+        folder = ctx.cache_dir / "stage1" / ctx.settings.teacher.name if plan.settings.cache else None
         record, student = get_or_build("stage1", stage1_key(ctx, student, plan),
                                        lambda: train_stage(plan, ctx, student, logger, resume),
                                        folder=folder, codec=stage1_codec(student), ranks=ctx.ranks)
@@ -366,7 +367,7 @@ def train_stage(plan: StagePlan, ctx, student, logger, resume: bool):
     windows = curve_windows(ctx)
     plan.data.eval_loaders = lambda: eval_dataloaders(windows, int(ev.batch_size), ctx.ranks.rank,
                                                       ctx.ranks.world_size)
-    module = STAGES[plan.kind](student, ctx.teacher, plan.cfg, plan.total_steps, eval_names=list(windows))
+    module = STAGES[plan.kind](student, ctx.teacher, plan.settings, plan.total_steps, eval_names=list(windows))
     trainer = make_trainer(settings.trainer, plan, ctx.run_dir, logger, ctx.extra_callbacks)
     last = stage_checkpoint(ctx.run_dir, plan.kind) if resume else None
     ckpt_path = str(last) if last is not None else None
@@ -374,7 +375,7 @@ def train_stage(plan: StagePlan, ctx, student, logger, resume: bool):
         log.info("stage %s: resuming from %s", plan.kind, ckpt_path)
     drop_rows_after(logger, plan.kind, checkpoint_progress(last).get("tokens_seen") if ckpt_path else None)
     start = time.perf_counter()
-    with teacher_in_dtype(ctx.teacher, getattr(plan.cfg, "teacher_dtype", None)):
+    with teacher_in_dtype(ctx.teacher, getattr(plan.settings, "teacher_dtype", None)):
         if ckpt_path is None:
             trainer.validate(module, datamodule=plan.data, verbose=False)  # the curve's point at token 0
         trainer.fit(module, datamodule=plan.data, ckpt_path=ckpt_path)
@@ -382,7 +383,7 @@ def train_stage(plan: StagePlan, ctx, student, logger, resume: bool):
             trainer.validate(module, datamodule=plan.data, verbose=False)  # the last point, between two intervals
     seconds = time.perf_counter() - start
     record = {
-        "kind": plan.kind, "settings": plain(plan.cfg), "steps": int(trainer.global_step),
+        "kind": plan.kind, "settings": plain(plan.settings), "steps": int(trainer.global_step),
         "tokens_seen": module.tokens_seen, "tokens_per_step": plan.tokens_per_step, "world_size": trainer.world_size,
         "seconds_this_process": round(seconds, 2), "loss_first": module.loss_first, "loss_last": module.loss_last,
         "rank_weight_digests": module.rank_weight_digests, "curve": module.curve, "resumed": ckpt_path is not None,

@@ -16,6 +16,7 @@ import torch
 from tcal.errors import Divergence, check_finite
 from tcal.evaluate.validation import PerplexityValidation, is_sharded
 from tcal.settings.schedule import lr_factor
+from tcal.settings.stage import TrainingStageSettings
 from tcal.store.fingerprint import weights_digest
 from tcal.student.alignment import alignment_loss, capture_teacher_io
 from tcal.tracking import curve_metric, tokens_metric
@@ -83,11 +84,11 @@ class StageModule(PerplexityValidation):
 
     kind = "stage"
 
-    def __init__(self, student, teacher, cfg, total_steps: int, eval_names=()):
+    def __init__(self, student, teacher, settings: TrainingStageSettings, total_steps: int, eval_names=()):
         super().__init__()
         self.student = student
         self._frozen = {"teacher": teacher}  # a plain dict: not a submodule
-        self.cfg, self.total_steps = cfg, int(total_steps)
+        self.settings, self.total_steps = settings, int(total_steps)
         self.eval_names = list(eval_names)
         self.curve: Curve = {name: [] for name in self.eval_names}
         self.last_eval_tokens: int | None = None
@@ -106,7 +107,7 @@ class StageModule(PerplexityValidation):
 
     def setup(self, stage: str) -> None:
         self.student.train()  # no dropout in these models; train mode states the intent (and silences Lightning)
-        self.set_checkpointing(bool(self.cfg.checkpoint_mixers), bool(self.cfg.activation_checkpointing))
+        self.set_checkpointing(bool(self.settings.checkpoint_mixers), bool(self.settings.activation_checkpointing))
 
     def configure_model(self) -> None:
         """Under `trainer.strategy=fsdp`, shard the student (`shard_student`), once: the token-0 validation and
@@ -148,12 +149,12 @@ class StageModule(PerplexityValidation):
         return loss
 
     def configure_optimizers(self):
-        cfg = self.cfg
-        fused = bool(cfg.fused_optimizer) and self.device.type in ("cpu", "cuda")
-        optimizer = torch.optim.AdamW(self.parameter_groups(), betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                                      fused=fused or None)
+        stage = self.settings
+        fused = bool(stage.fused_optimizer) and self.device.type in ("cpu", "cuda")
+        optimizer = torch.optim.AdamW(self.parameter_groups(), betas=tuple(stage.betas),
+                                      weight_decay=stage.weight_decay, fused=fused or None)
         return {"optimizer": optimizer,
-                "lr_scheduler": lr_schedule(optimizer, cfg.schedule, self.total_steps, cfg.min_lr_ratio)}
+                "lr_scheduler": lr_schedule(optimizer, stage.schedule, self.total_steps, stage.min_lr_ratio)}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Norm clipping by the global norm of every gradient, the same figure on every strategy: done here for the
@@ -272,15 +273,16 @@ class AlignStage(StageModule):
 
     kind = "align"
 
-    def __init__(self, student, teacher, cfg, total_steps: int, **curve):
-        super().__init__(student, teacher, cfg, total_steps, **curve)
+    def __init__(self, student, teacher, settings: TrainingStageSettings, total_steps: int, **curve):
+        super().__init__(student, teacher, settings, total_steps, **curve)
         self.gdn_layers = list(student.config.gdn_layers)
         student.requires_grad_(False)
         for i in self.gdn_layers:
             student.gdn(i).requires_grad_(True)
 
     def parameter_groups(self) -> list[dict]:
-        return [{"params": [p for i in self.gdn_layers for p in self.student.gdn(i).parameters()], "lr": self.cfg.lr}]
+        mixers = [p for i in self.gdn_layers for p in self.student.gdn(i).parameters()]
+        return [{"params": mixers, "lr": self.settings.lr}]
 
     def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(mean over GDN layers of the alignment loss, {"layer_<i>": that layer's loss})."""
@@ -301,15 +303,15 @@ class DistillStage(StageModule):
 
     kind = "distill"
 
-    def __init__(self, student, teacher, cfg, total_steps: int, **curve):
-        super().__init__(student, teacher, cfg, total_steps, **curve)
+    def __init__(self, student, teacher, settings: TrainingStageSettings, total_steps: int, **curve):
+        super().__init__(student, teacher, settings, total_steps, **curve)
         student.requires_grad_(True)
 
     def parameter_groups(self) -> list[dict]:
         mixer_ids = {id(p) for i in self.student.config.gdn_layers for p in self.student.gdn(i).parameters()}
         mixers = [p for p in self.student.parameters() if id(p) in mixer_ids]
         rest = [p for p in self.student.parameters() if id(p) not in mixer_ids]
-        return [{"params": mixers, "lr": self.cfg.lr_mixer}, {"params": rest, "lr": self.cfg.lr_rest}]
+        return [{"params": mixers, "lr": self.settings.lr_mixer}, {"params": rest, "lr": self.settings.lr_rest}]
 
     def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(KL (+ CE) loss, {"kl", "ce"}) of one batch of token ids."""
@@ -320,7 +322,8 @@ class DistillStage(StageModule):
         student_hidden = self.student.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
         loss, parts = chunked_kd_loss(student_hidden, teacher_hidden, self.student.get_output_embeddings(),
                                       self.teacher.get_output_embeddings(), batch,
-                                      chunk_size=int(self.cfg.kl_chunk_size), ce_weight=float(self.cfg.ce_weight))
+                                      chunk_size=int(self.settings.kl_chunk_size),
+                                      ce_weight=float(self.settings.ce_weight))
         self.check_finite({"loss": loss})
         return loss, parts
 
