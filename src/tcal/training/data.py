@@ -153,22 +153,23 @@ class StepSampler(Sampler):
 class PackedTextDataModule(L.LightningDataModule):
     """Packed training windows of the training split for one stage; batches are [batch_size, seq_len] token ids.
     `train`: the split's tokens (a `TokenStore` or `MemoryTokens`), or its documents (tokenized in memory);
-    `numbers`: the store windows this stage reads from (None: every one; `plan_reading`)."""
+    `reading`: the store windows this stage reads from (None: every one; `plan_reading`)."""
 
     def __init__(self, train, tokenizer, seq_len: int, batch_size: int, total_steps: int, seed: int,
-                 cache_dir: Path | None = None, retrieval_mix: float = 0.0, numbers: np.ndarray | None = None,
-                 retrieval_sample_tokens: int | None = None):
+                 cache_dir: Path | None = None, retrieval_mix: float = 0.0,
+                 retrieval_sample_tokens: int | None = None, reading: StageReading | None = None,
+                 eval_loaders: Callable[[], list[DataLoader]] = lambda: []):
         super().__init__()
         self.seq_len, self.batch_size, self.total_steps, self.seed = int(seq_len), int(batch_size), int(total_steps), seed
         tokens = memory_tokens(train, tokenizer, cache_dir) if isinstance(train, list) else train
-        self.windows = Windows(tokens, self.seq_len, numbers)
+        self.reading = reading
+        self.windows = Windows(tokens, self.seq_len, reading.numbers if reading is not None else None)
         self.windows_key = self.windows.key
-        self.reading: StageReading | None = None  # set by the stage planner
         self.retrieval_mix = float(retrieval_mix)
         self.sequences = None
         if self.retrieval_mix > 0:
             self.sequences = retrieval_sequences(tokens, tokenizer, self.seq_len, retrieval_sample_tokens)
-        self.eval_loaders: Callable[[], list[DataLoader]] = lambda: []  # the eval sets, set by the stage runner
+        self.eval_loaders = eval_loaders  # the curve's eval sets, a loader each
 
     def val_dataloader(self) -> list[DataLoader]:
         return self.eval_loaders()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import shutil
 import time
@@ -48,6 +49,7 @@ from tcal.training.stages import STAGES
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class StagePlan:
     kind: str
@@ -57,6 +59,7 @@ class StagePlan:
     total_steps: int
     eval_every_steps: int
     tokens_per_step: int  # batch_size x seq_len x ranks
+    eval_names: list[str]  # the eval sets of its curve
 
 
 def plan_stages(ctx) -> list[StagePlan]:
@@ -71,13 +74,17 @@ def plan_stages(ctx) -> list[StagePlan]:
     cached = all(node.cache_tokens for _, node in stages)
     tokens = training_tokens(ctx.splits.train, ctx.tokenizer, ctx.cache_dir if cached else None, data)
     readings = plan_reading(tokens.num_tokens, stage_samples(settings), int(settings.seed), float(data.retrieval_mix))
+    windows = curve_windows(ctx)
+    eval_loaders = functools.partial(eval_dataloaders, windows, int(settings.eval.batch_size), ctx.ranks.rank,
+                                     ctx.ranks.world_size)
     for (prefix, node), reading in zip(stages, readings):
         steps = node.steps(world)
         module = PackedTextDataModule(tokens, ctx.tokenizer, node.seq_len, node.batch_size, steps.total,
                                       int(settings.seed), retrieval_mix=float(data.retrieval_mix),
-                                      numbers=reading.numbers, retrieval_sample_tokens=data.retrieval_sample_tokens)
-        module.reading = reading
-        plans.append(StagePlan(node.kind, node, prefix, module, steps.total, steps.eval_every, steps.tokens_per_step))
+                                      retrieval_sample_tokens=data.retrieval_sample_tokens, reading=reading,
+                                      eval_loaders=eval_loaders)
+        plans.append(StagePlan(node.kind, node, prefix, module, steps.total, steps.eval_every, steps.tokens_per_step,
+                               list(windows)))
     if ctx.ranks.is_main:
         print(reading_line(describe_reading(tokens.key, tokens.num_tokens, readings)), flush=True)
     return plans
@@ -363,11 +370,7 @@ def run_stage(plan: StagePlan, ctx, student, logger, resume: bool):
 def train_stage(plan: StagePlan, ctx, student, logger, resume: bool):
     """`run_stage` without the Stage 1 cache."""
     settings = ctx.settings
-    ev = settings.eval
-    windows = curve_windows(ctx)
-    plan.data.eval_loaders = lambda: eval_dataloaders(windows, int(ev.batch_size), ctx.ranks.rank,
-                                                      ctx.ranks.world_size)
-    module = STAGES[plan.kind](student, ctx.teacher, plan.settings, plan.total_steps, eval_names=list(windows))
+    module = STAGES[plan.kind](student, ctx.teacher, plan.settings, plan.total_steps, eval_names=plan.eval_names)
     trainer = make_trainer(settings.trainer, plan, ctx.run_dir, logger, ctx.extra_callbacks)
     last = stage_checkpoint(ctx.run_dir, plan.kind) if resume else None
     ckpt_path = str(last) if last is not None else None
