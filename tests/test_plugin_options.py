@@ -141,6 +141,16 @@ def test_the_api_runs_a_plugin_init_mode_and_policy(plugin_env, tmp_path):
                                                                 "record": {"toy_gate_scale": 2.0, "layers": [0, 1]}}
 
 
+def test_a_plugin_package_that_cannot_be_imported_is_named_on_every_ask(monkeypatch):
+    from tcal.registry import PLUGINS_ENV, Registry
+
+    monkeypatch.setenv(PLUGINS_ENV, "tcal_no_such_plugin")
+    registry = Registry("init mode", "init", ("tcal.init",))
+    for _ in range(2):
+        with pytest.raises(ModuleNotFoundError, match=r"TCAL_PLUGINS: cannot import 'tcal_no_such_plugin'"):
+            registry.names()
+
+
 def test_no_name_to_class_table_outside_the_registry():
     """A dict literal mapping an option's name to a settings class or to an implementation is the registry's
     job (`tcal.registry`), derived from it everywhere else."""

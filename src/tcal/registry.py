@@ -53,13 +53,18 @@ class Registry:
         return add
 
     def load(self) -> None:
+        """Import the modules that register options (once all did: a failed import fails every later ask too)."""
         if self._loaded:
             return
-        self._loaded = True
         for package_name in (*self.packages, *plugin_packages()):
-            package = importlib.import_module(package_name)
+            try:
+                package = importlib.import_module(package_name)
+            except ModuleNotFoundError as err:
+                raise ModuleNotFoundError(f"{PLUGINS_ENV}: cannot import {package_name!r} ({err}); expected "
+                                          f"importable packages, comma-separated") from None
             for module in pkgutil.iter_modules(package.__path__):
                 importlib.import_module(f"{package_name}.{module.name}")
+        self._loaded = True
 
     def names(self) -> list[str]:
         self.load()
