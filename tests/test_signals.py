@@ -264,19 +264,21 @@ def test_a_signal_to_a_sweep_lists_what_did_not_run_and_the_rerun_completes_it(s
 
 @pytest.mark.slow
 def test_an_interrupted_sweep_lists_its_failed_jobs_too(tmp_path):
-    """A job that failed before the signal is listed with its error, then the interrupted job, then those not run."""
+    """A job that failed before the signal is listed with its error, then the interrupted job, then those not run.
+    Job 0's budget is less than one step: a check of the job's own (a bad value any job's settings show would stop
+    the whole sweep before it starts)."""
     sweep_dir = tmp_path / "sweep"
-    code, out, sent = tcal("-m", *TINY, *DISTILL, "stage.lr_mixer=-1,1e-3,2e-3",
+    code, out, sent = tcal("-m", *TINY, *DISTILL, "stage.batch_size=16,2,4",
                            f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", f"hydra.sweep.dir={sweep_dir}",
                            signal_on="distill at 0 tokens", signum=signal.SIGTERM)
     assert sent and code == 128 + signal.SIGTERM, out[-3000:]
     assert tcal_lines(out)[-4:] == [
         "tcal: sweep interrupted by SIGTERM (signal 15) in job 1 of 3; the same command skips finished jobs and "
         "continues",
-        f"tcal: sweep job 0 failed ({sweep_dir / '0'}): configuration error: stage.lr_mixer=-1.0; expected a "
-        f"learning rate > 0",
+        f"tcal: sweep job 0 failed ({sweep_dir / '0'}): configuration error: stage.max_tokens=256 is less than one "
+        f"step of 512 tokens (stage.batch_size x stage.seq_len x 1 devices)",
         f"tcal: sweep job 1 did not finish ({sweep_dir / '1'}): interrupted by SIGTERM (signal 15)",
-        f"tcal: sweep job 2 did not run ({sweep_dir / '2'}): stage.lr_mixer=0.002"]
+        f"tcal: sweep job 2 did not run ({sweep_dir / '2'}): stage.batch_size=4"]
 
 
 TWO_RANKS = ("trainer=ddp", "trainer.accelerator=cpu")
