@@ -249,7 +249,7 @@ def test_sweep_runs_from_the_command_line(name, tmp_path):
                 for key, values in params.items()]
     cache = isolated_cache_dir(tmp_path / "cache")
     stage = compose(f"+sweep={name}", *narrowed).stage
-    prefixes = [f"stage.{kind}" for kind in stage.sequence] if "sequence" in stage else \
+    prefixes = [f"stage.{kind}" for kind in stage.sequence] if hasattr(stage, "sequence") else \
         [] if stage.name == "none" else ["stage"]
     tiny_stage = [f"{prefix}.{key}={value}" for prefix in prefixes for key, value in
                   (("max_tokens", 128), ("eval_every_tokens", 64), ("batch_size", 2), ("seq_len", 32))]

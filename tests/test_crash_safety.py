@@ -132,7 +132,8 @@ def test_parallel_sweep_shares_one_cache(tmp_path):
     assert len({json.dumps(r["retention_scores"]) for r in results}) == 1
     assert len({r["metrics"]["shakespeare"]["teacher_ppl"] for r in results}) == 1
     found = entries(Path(cache))
-    assert [len(found[k]) for k in ("retention", "teacher_eval", "tokens", "stage1")] == [1, 1, 1, 4]
+    stores = [p for p in (Path(cache) / "token_store").iterdir() if p.is_dir()]  # one store of the training split
+    assert [len(found[k]) for k in ("retention", "teacher_eval", "stage1")] + [len(stores)] == [1, 1, 4, 1]
     assert len(found["calibration"]) == 3 * 2  # phase1, phase2, full x 2 GDN layers
     assert all(readable(p) for paths in found.values() for p in paths)
     assert not [p for p in Path(cache).rglob("*") if p.name.endswith(".tmp")]
