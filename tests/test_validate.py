@@ -126,6 +126,9 @@ CASES = [
                                          r"than its tokenizer's 49152 ids"),
     (["stage=distill", "stage.max_tokens=9223372036854775807"], r"stage.max_tokens=9223372036854775807: "
                                                                 r"[\d,]+ samples .* expected at most 2\*\*30 samples"),
+    (["trainer.gdn_kernel=fla"], r"^trainer.gdn_kernel='fla' needs a CUDA device \(fla's Triton kernels do not run on "
+                                 r"a CPU\); expected trainer.gdn_kernel=auto or torch here$"),
+    (["trainer.gdn_kernel=triton"], r"^trainer.gdn_kernel='triton'; expected one of auto, fla, torch$"),
 ]
 
 

@@ -2,9 +2,9 @@
 `ConfigError` naming the key. The settings' own values are checked when they are built (`tcal.settings`); these
 are the checks a value cannot make alone.
 
-- `check_machine(settings)`, before the teacher loads: devices and GPUs, the cache folder, data and teacher files,
-  the hub, the paper tasks, the teacher's family and, when its config is known without loading it, its layers and
-  context.
+- `check_machine(settings)`, before the teacher loads: devices and GPUs, the GDN kernel for this machine's GPU stack
+  (chosen here), the cache folder, data and teacher files, the hub, the paper tasks, the teacher's family and, when
+  its config is known without loading it, its layers and context.
 - `check_loaded(ctx)`, once the teacher and the documents are in memory and before anything is written: the real
   teacher's layers and context, and whether each split holds the tokens its windows need.
 """
@@ -24,6 +24,7 @@ from tcal.settings import RunSettings, SettingError
 def check_machine(settings: RunSettings) -> None:
     """Everything checkable before the teacher loads."""
     check_trainer(settings.trainer)
+    choose_gdn_kernel(settings.trainer)
     check_budgets(settings)
     check_teacher(settings.teacher)
     check_data_files(settings)
@@ -55,6 +56,16 @@ def check_trainer(trainer) -> None:
     if trainer.wants_gpu and "bf16" in str(trainer.precision) and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"trainer.precision={trainer.precision!r}: this GPU has no bfloat16; expected 16-mixed or "
                           f"32-true")
+
+
+def choose_gdn_kernel(trainer) -> str:
+    """The delta rule's kernel for this process (`trainer.gdn_kernel`), chosen against the machine's torch, Triton,
+    fla and GPU: a stack on which fla computes wrong or refuses is refused now, in one line naming the fix, not at
+    the first backward after calibration (docs/gpu.md, "The stack check")."""
+    from tcal.student.gdn import use_gdn_kernel
+
+    on_cuda = trainer.wants_gpu or (str(trainer.accelerator) == "auto" and torch.cuda.is_available())
+    return use_gdn_kernel(str(trainer.gdn_kernel), on_cuda)
 
 
 MAX_STAGE_SAMPLES = 2**30

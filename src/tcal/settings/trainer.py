@@ -27,6 +27,7 @@ PRECISIONS = ("16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true", "64-t
               "transformer-engine", "transformer-engine-float16")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 LOGGERS = ("none", "csv", "wandb")
+GDN_KERNELS = ("auto", "fla", "torch")  # tcal.student.stack: which is right on a machine's GPU stack
 
 
 @declared
@@ -43,10 +44,14 @@ class TrainerSettings(Settings):
     strategy: str = setting("auto", affects=[TRAIN])
     precision: str = setting("32-true", affects=[TRAIN, *EVALUATION])
     deterministic: bool = setting(False, affects=[TRAIN])
+    # the GDN delta rule's multi-token kernel on CUDA: auto (fla where the stack is safe for it, else refused before
+    # any work), fla, or torch (tcal's chunk path: correct everywhere, slower); docs/gpu.md, "The stack check"
+    gdn_kernel: str = setting("auto", affects=[SCORES, INIT, TRAIN, *EVALUATION])
 
     def check(self) -> None:
         one_of("accelerator", str(self.accelerator), ACCELERATORS)
         one_of("precision", str(self.precision), PRECISIONS)
+        one_of("gdn_kernel", str(self.gdn_kernel), GDN_KERNELS)
         if str(self.strategy).startswith("deepspeed"):
             raise SettingError(Key("strategy"), f"={self.strategy!r}: DeepSpeed is not supported (its resume and "
                                f"export were never tested; docs/scale.md); expected trainer=fsdp for sharded training")

@@ -2,8 +2,9 @@
 
 Parameter names and shapes are fla's `GatedDeltaNet(expand_v=1, use_short_conv=False, use_gate=True)`,
 so a checkpoint loads into fla's layer. The projections, gates, l2norm and gated RMSNorm are plain torch;
-only the delta-rule recurrence dispatches: fla's chunked Triton kernel on CUDA, fla's pure-torch chunked
-recurrence on CPU (`chunk_gated_delta_rule_torch`), and a single recurrent step for one-token decoding anywhere.
+only the delta-rule recurrence dispatches: fla's chunked Triton kernel on CUDA where the stack is right for it
+(`trainer.gdn_kernel`, `tcal.student.stack`), the pure-torch chunked recurrence (`chunk_gated_delta_rule_torch`) on
+CPU and wherever it is asked for, and a single recurrent step for one-token decoding anywhere.
 """
 
 from __future__ import annotations
@@ -17,21 +18,43 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tcal.student.stack import gdn_kernel_for
+
 log = logging.getLogger(__name__)
 
-_announced: set[str] = set()
+_announced: set[tuple[str, str]] = set()
 _traced_kernel = None  # a stand-in for the chunked kernel while `traced_kernel` is on (tcal-plan)
+_cuda_kernel: str | None = None  # `fla` or `torch` for this process's CUDA calls; None: `auto`, decided at first use
+
+
+def use_gdn_kernel(choice: str, on_cuda: bool) -> str:
+    """Choose the kernel of this process's multi-token delta rule (`trainer.gdn_kernel`: auto, fla, torch) for a run
+    on CUDA (`on_cuda`) or not. A stack on which fla computes wrong or refuses is a one-line ConfigError here, before
+    any work (`tcal.student.stack.gdn_kernel_for`). Returns the name of the kernel path the run uses."""
+    global _cuda_kernel
+    kernel = gdn_kernel_for(choice, on_cuda)
+    if on_cuda:
+        _cuda_kernel = kernel
+    return kernel_path("cuda" if on_cuda else "cpu")
+
+
+def _cuda_kernel_chosen() -> str:
+    global _cuda_kernel
+    if _cuda_kernel is None:  # no run chose (the Python API on CUDA): `auto`, with its refusal
+        _cuda_kernel = gdn_kernel_for("auto", True)
+    return _cuda_kernel
 
 
 def kernel_path(device: torch.device | str) -> str:
-    """Name of the delta-rule implementation used on `device` (printed once per run)."""
-    return "fla-triton-chunk" if torch.device(device).type == "cuda" else "torch-chunk"
+    """Name of the delta-rule implementation used on `device` (printed once per run, recorded as `kernel_path`)."""
+    cuda = torch.device(device).type == "cuda"
+    return "fla-triton-chunk" if cuda and _cuda_kernel_chosen() == "fla" else "torch-chunk"
 
 
 def _announce(device: torch.device) -> None:
     path = kernel_path(device)
-    if path not in _announced:
-        _announced.add(path)
+    if (device.type, path) not in _announced:
+        _announced.add((device.type, path))
         log.info("GatedDeltaNet kernel path on %s: %s", device, path)
 
 
@@ -92,7 +115,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=Fa
         return o[:, None], state if output_final_state else None
     if _traced_kernel is not None:
         return _traced_kernel(q, k, v, g, beta, initial_state, output_final_state)
-    if q.is_cuda:
+    if q.is_cuda and _cuda_kernel_chosen() == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         q, k, v, beta = kernel_inputs(q, k, v, beta)

@@ -1,0 +1,120 @@
+"""The GPU stack check (`tcal.student.stack`, docs/gpu.md "The stack check") on this CPU, with faked stacks: every
+stack a row of the table names is refused in one line naming the fix, before any work; `gdn_kernel=torch` is accepted
+on all of them; a stack no row names runs fla."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_errors import assert_nothing_written
+
+from tcal import api
+from tcal.errors import ConfigError
+from tcal.pipeline import run
+from tcal.student import gdn
+from tcal.student.stack import FLA_RULES, Stack, gdn_kernel_for, read_stack, version_tuple
+
+H200 = dict(capability=(9, 0), device_name="NVIDIA H200")
+A100 = dict(capability=(8, 0), device_name="NVIDIA A100-SXM4-80GB")
+
+# (stack, the fix its refusal names, whether fla itself refuses it: `hard`)
+REFUSED = [
+    (Stack("2.11.0+cu130", "3.6.0", "0.6.0", **H200), "torch >= 2.12.1 (it ships Triton 3.7.1), Triton >= 3.7.1, or "
+                                                       "TileLang installed", True),
+    (Stack("2.8.0+cu128", "3.4.0", "0.6.0", **H200), "Triton >= 3.7.1", True),
+    (Stack("2.12.0+cu130", "3.7.0", "0.6.0", **H200), "Triton >= 3.7.1", True),
+    (Stack("2.12.1+cu130", None, None, **A100), "fla-core==0.6.0 installed", True),
+    (Stack("2.13.0+cu130", "3.7.1", "0.7.2", **H200), "fla-core==0.6.0, trainer.gdn_kernel=fla to run this fla "
+                                                      "unchecked", False),
+    (Stack("2.6.0+cu124", "3.2.0", "0.6.0", **A100), "torch >= 2.7.0 with the Triton it ships", False),
+]
+ACCEPTED = [
+    Stack("2.12.1+cu130", "3.7.1", "0.6.0", **H200),
+    Stack("2.13.0+cu130", "3.9.0", "0.6.0", **H200),
+    Stack("2.11.0+cu130", "3.6.0", "0.6.0", tilelang=True, **H200),  # fla routes the backward to TileLang
+    Stack("2.11.0+cu130", "3.6.0", "0.6.0", **A100),  # the Triton bug is Hopper's
+    Stack("2.10.0+cu128", "3.6.0", "0.6.0", capability=(10, 0), device_name="NVIDIA B200"),
+]
+
+
+@pytest.mark.parametrize("stack,fix,hard", REFUSED, ids=[s.describe() for s, _, _ in REFUSED])
+def test_a_stack_the_table_names_is_refused_in_one_line_naming_the_fix(stack, fix, hard, caplog):
+    with pytest.raises(ConfigError) as info:
+        gdn_kernel_for("auto", True, stack)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("trainer.gdn_kernel=auto: ") and stack.describe() in message
+    assert fix in message and message.endswith("or trainer.gdn_kernel=torch (tcal's torch chunk path on CUDA: "
+                                                "correct, slower)")
+    if hard:  # fla would refuse it at the first backward: asking for fla is refused now too
+        with pytest.raises(ConfigError, match=r"^trainer.gdn_kernel=fla: "):
+            gdn_kernel_for("fla", True, stack)
+    else:  # outside what the table checked: fla runs where asked, saying so
+        assert gdn_kernel_for("fla", True, stack) == "fla" and "running fla as asked" in caplog.text
+    assert gdn_kernel_for("torch", True, stack) == "torch"
+
+
+@pytest.mark.parametrize("stack", ACCEPTED, ids=[s.describe() for s in ACCEPTED])
+def test_a_stack_no_row_names_runs_fla(stack):
+    assert gdn_kernel_for("auto", True, stack) == gdn_kernel_for("fla", True, stack) == "fla"
+    assert gdn_kernel_for("torch", True, stack) == "torch"
+
+
+def test_every_row_of_the_table_is_exercised():
+    for rule in FLA_RULES:
+        assert any(rule.applies(stack) for stack, _, _ in REFUSED), rule.problem
+        assert not any(rule.applies(stack) for stack in ACCEPTED), rule.problem
+
+
+def test_off_cuda_the_torch_path_runs_and_fla_is_refused():
+    assert gdn_kernel_for("auto", False) == gdn_kernel_for("torch", False) == "torch"
+    with pytest.raises(ConfigError, match=r"^trainer.gdn_kernel='fla' needs a CUDA device .*; expected "
+                                          r"trainer.gdn_kernel=auto or torch here$"):
+        gdn_kernel_for("fla", False)
+    with pytest.raises(ConfigError, match=r"^trainer.gdn_kernel='triton'; expected one of auto, fla, torch$"):
+        gdn_kernel_for("triton", False)
+
+
+def test_versions_are_read_with_local_and_dev_parts():
+    assert version_tuple("2.11.0+cu130") == (2, 11, 0) and version_tuple("3.7.1") == (3, 7, 1)
+    assert version_tuple("3.4.0rc1") == (3, 4, 0) and version_tuple("3.7.0.dev20260101") == (3, 7, 0)
+    assert version_tuple(None) == ()
+    here = read_stack()
+    assert here.torch == torch.__version__ and (here.capability is None) == (not torch.cuda.is_available())
+
+
+@pytest.fixture
+def fake_cuda_stack(monkeypatch):
+    """A GPU as `tcal`'s checks see it (one device with bfloat16) on a refused stack: an H200 with Triton 3.6.0. The
+    chosen kernel is restored after the test."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr("tcal.student.stack.read_stack", lambda *a: REFUSED[0][0])
+    monkeypatch.setattr(gdn, "_cuda_kernel", None)
+
+    def no_teacher_load(*args, **kwargs):
+        raise AssertionError("the teacher was loaded: work started before the stack was checked")
+
+    monkeypatch.setattr(api, "load_teacher", no_teacher_load)
+
+
+def test_a_run_on_a_refused_stack_stops_before_any_work(compose_cfg, tmp_path, fake_cuda_stack):
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^trainer.gdn_kernel=auto: NVIDIA H200 .*Triton 3.6.0.*; expected torch "
+                                          r">= 2.12.1 .*or trainer.gdn_kernel=torch"):
+        run(compose_cfg("experiment=smoke", "trainer=gpu", f"paths.cache_dir={tmp_path / 'cache'}"), run_dir)
+    assert_nothing_written(run_dir)
+    assert not (tmp_path / "cache").exists()  # nothing made, not even the cache folder
+
+
+def test_gdn_kernel_torch_is_accepted_on_a_refused_stack_and_named_as_the_path(compose_cfg, fake_cuda_stack):
+    from tcal.preflight import check_machine
+
+    check_machine(compose_cfg("experiment=smoke", "trainer=gpu", "trainer.gdn_kernel=torch"))
+    assert gdn.kernel_path("cuda") == "torch-chunk" and gdn.kernel_path("cpu") == "torch-chunk"
+
+
+def test_the_python_api_on_cuda_decides_auto_at_its_first_call(fake_cuda_stack):
+    """No run chose a kernel: the first CUDA call decides `auto`, with the same refusal."""
+    with pytest.raises(ConfigError, match=r"^trainer.gdn_kernel=auto: NVIDIA H200"):
+        gdn.kernel_path("cuda")
