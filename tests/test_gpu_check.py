@@ -1,7 +1,8 @@
 """`make gpu-check` on a machine without CUDA: one line that says so, exit code 0 (its GPU figures come from a
-GPU machine)."""
+GPU machine); its budget, deadlines and output file with stand-in checks; its GPU checks' settings compose here."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,61 @@ def test_the_gpu_only_checks_compose_and_plan_on_a_cpu(tmp_path):
     two = settings_for(*overrides)
     assert two.stage.align.checkpoint_mixers and two.stage.distill.activation_checkpointing
     assert (two.trainer.strategy, two.trainer.devices) == ("fsdp", 2)
+
+
+def test_the_budget_runs_checks_in_order_stops_one_past_its_deadline_and_skips_what_does_not_fit(tmp_path,
+                                                                                                 monkeypatch):
+    """The budget machinery on a CPU, with stand-in checks on a faked CUDA machine: a quick check runs, one that
+    overruns its deadline is stopped and said so (the next still runs), one whose planned cost exceeds the budget
+    left is skipped and said so; every line is in the JSON-lines file as well as on stdout, and the exit code is 1
+    (a check failed)."""
+    import time
+
+    gpu_check = _gpu_check()
+    ran = []
+
+    def quick():
+        ran.append("quick")
+        gpu_check.emit("quick_figure", True, value=1.0)
+
+    def overrun():
+        ran.append("overrun")
+        time.sleep(30)
+
+    def after():
+        ran.append("after")
+
+    monkeypatch.setattr(gpu_check, "CHECKS", (("quick", quick, 1), ("overrun", overrun, 1), ("after", after, 1),
+                                               ("huge", lambda: ran.append("huge"), 10_000)))
+    monkeypatch.setattr(gpu_check, "DEADLINE_FACTOR", 0.5)
+    monkeypatch.setattr(gpu_check, "check_stack", lambda choice: choice)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = tmp_path / "lines.jsonl"
+    start = time.perf_counter()
+    code = gpu_check.main(["--budget", "60", "--out", str(out), "--triton-cache", str(tmp_path / "triton")])
+    assert time.perf_counter() - start < 20 and code == 1 and ran == ["quick", "overrun", "after"]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    by_check = {}
+    for line in lines:
+        by_check.setdefault(line["check"], []).append(line)
+    assert by_check["quick_figure"][0]["ok"] is True
+    assert by_check["overrun"][0]["ok"] is False
+    assert by_check["overrun"][0]["error"] == "PastDeadline: past its deadline of 0 s"  # 0.5 x 1 s, printed rounded
+    assert "after" in by_check and "ok" not in by_check["after"][0]
+    assert by_check["huge"] == [{"check": "huge", "skipped": by_check["huge"][0]["skipped"]}]
+    assert by_check["huge"][0]["skipped"].startswith("needs about 10000 s (planned)")
+    assert by_check["gpu"][-1]["failed"] == ["overrun"]
+    assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "triton").resolve())
+
+
+def test_the_zero_shot_and_stage2_checks_compose_and_plan_on_a_cpu():
+    """The zero-shot check's settings compose under each kernel choice, its CPU figure is set, and Stage 2's MFU has
+    its FLOPs per token from tcal-plan."""
+    gpu_check = _gpu_check()
+    for choice in ("auto", "fla", "torch"):
+        gpu_check.GDN_KERNEL["choice"] = choice
+        settings = gpu_check.compose_cfg(*gpu_check.ZERO_SHOT, "trainer=gpu")
+        assert settings.trainer.gdn_kernel == choice and settings.calibration.phase2.steps == 30
+    gpu_check.GDN_KERNEL["choice"] = "auto"
+    assert gpu_check.CPU_ZERO_SHOT_PPL > 1
+    assert gpu_check.stage2_flops_per_token() > 6 * 100e6  # at least 6 x the trained parameters of SmolLM2's student
