@@ -140,8 +140,16 @@ class Pip:
             raise SystemExit(f"wheelhouse: pip {arguments[0]} failed:\n{tail}")
 
     def build_wheel(self, source, out: Path) -> Path:
+        """The wheel of `source` (a folder or a requirement) in `out`; a folder is left without the `build/` that
+        setuptools makes in it."""
         before = set(out.glob("*.whl"))
-        self.run("wheel", "--no-deps", *self.index, *self.build, "--wheel-dir", str(out), str(source))
+        scratch_build = Path(source) / "build" if Path(source).is_dir() else None
+        leave = scratch_build is not None and not scratch_build.exists()
+        try:
+            self.run("wheel", "--no-deps", *self.index, *self.build, "--wheel-dir", str(out), str(source))
+        finally:
+            if leave:
+                shutil.rmtree(scratch_build, ignore_errors=True)
         (wheel,) = set(out.glob("*.whl")) - before
         return wheel
 
@@ -226,30 +234,33 @@ def by_name(report: list[dict]) -> dict[str, dict]:
     return {canonicalize_name(item["metadata"]["name"]): item for item in report}
 
 
-def requirements_of(item: dict, env: dict) -> list[Requirement]:
-    """The requirements of a resolved package that hold on the node (markers read for its Python and platform, and
-    for the extras asked of it)."""
-    extras = item.get("requested_extras") or [""]
+def requirements_of(item: dict, env: dict, extras) -> list[Requirement]:
+    """The requirements of a resolved package that hold on the node: markers read for its Python and platform, and
+    for each of `extras` (the extras the packages needing it ask of it)."""
     found = []
     for line in item["metadata"].get("requires_dist") or []:
         requirement = Requirement(line)
-        if requirement.marker is None or any(requirement.marker.evaluate({**env, "extra": e}) for e in extras):
+        if requirement.marker is None or any(requirement.marker.evaluate({**env, "extra": e})
+                                             for e in ["", *extras]):
             found.append(requirement)
     return found
 
 
 def needed(resolved: dict[str, dict], roots: list[str], env: dict, stop: tuple[str, ...] = ()) -> dict[str, dict]:
     """The resolved packages reachable from `roots`, not through `stop` (with `--torch keep`, what only torch needs
-    comes with the node's torch: its CUDA libraries are the node's own)."""
-    found, todo = {}, list(roots)
+    comes with the node's torch: its CUDA libraries are the node's own), each with the extras asked of it
+    (`extras`: `fla-core[cpu]` needs Triton through its extra)."""
+    extras: dict[str, set[str]] = {}
+    todo = [(name, frozenset()) for name in roots]
     while todo:
-        name = todo.pop()
-        if name in found or name not in resolved:
+        name, asked = todo.pop()
+        if name not in resolved or name in extras and asked <= extras[name]:
             continue
-        found[name] = resolved[name]
+        extras[name] = extras.get(name, set()) | asked
         if name not in stop:
-            todo += [canonicalize_name(r.name) for r in requirements_of(resolved[name], env)]
-    return {name: item for name, item in found.items()}
+            todo += [(canonicalize_name(r.name), frozenset(r.extras))
+                     for r in requirements_of(resolved[name], env, extras[name])]
+    return {name: {**resolved[name], "extras": sorted(asked)} for name, asked in extras.items()}
 
 
 def kept_from_node(wanted: dict[str, dict], have: dict[str, str], constraints: dict, env: dict,
@@ -259,7 +270,7 @@ def kept_from_node(wanted: dict[str, dict], have: dict[str, str], constraints: d
     Triton serve whatever they are."""
     demands: dict[str, list[Requirement]] = {name: list(reqs) for name, reqs in constraints.items()}
     for item in wanted.values():
-        for requirement in requirements_of(item, env):
+        for requirement in requirements_of(item, env, item.get("extras", [])):
             demands.setdefault(canonicalize_name(requirement.name), []).append(requirement)
     kept = set()
     for name, item in wanted.items():

@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -25,6 +26,10 @@ def record_hash(text: str) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).decode().rstrip("=")
 
 
+def extras_in(requires: tuple[str, ...]) -> list[str]:
+    return sorted({extra for r in requires for extra in re.findall(r'extra == "(\w+)"', r)})
+
+
 def make_wheel(index: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
     """A pure-Python wheel of one module `name` (a dist-info with METADATA, WHEEL and RECORD), in `index`."""
     module = name.replace("-", "_")
@@ -32,6 +37,7 @@ def make_wheel(index: Path, name: str, version: str, requires: tuple[str, ...] =
     files = {
         f"{module}.py": f"VERSION = {version!r}\n",
         f"{dist_info}/METADATA": "Metadata-Version: 2.1\n" + f"Name: {name}\nVersion: {version}\n"
+                                 + "".join(f"Provides-Extra: {extra}\n" for extra in extras_in(requires))
                                  + "".join(f"Requires-Dist: {r}\n" for r in requires),
         f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
@@ -84,21 +90,23 @@ def new_venv(folder: Path) -> Path:
 
 @pytest.fixture
 def toy(tmp_path):
-    """A toy index and project. `toyproj` needs alpha (which needs beta >= 2 and the toy torch), gamma, and delta
+    """A toy index and project. `toyproj` needs alpha with its extra `fast` (alpha needs beta >= 2 and the toy torch,
+    its extra epsilon), gamma, and delta
     (published only as source); the toy torch needs its own CUDA library, `nvidia-fake`. The node (a venv) has
     torch 9.0 with nvidia-fake 1.0, beta 1.0 and gamma 1.0. `textpack` is installed without its dependencies."""
     index = tmp_path / "index"
     index.mkdir()
     make_wheel(index, "nvidia-fake", "1.0")
     make_wheel(index, "torch", "9.0", ("nvidia-fake==1.0",))
-    make_wheel(index, "alpha", "1.0", ("beta>=2", "torch>=8"))
-    make_wheel(index, "alpha", "1.1", ("beta>=2", "torch>=8"))
+    for version in ("1.0", "1.1"):
+        make_wheel(index, "alpha", version, ("beta>=2", "torch>=8", 'epsilon; extra == "fast"'))
+    make_wheel(index, "epsilon", "0.2")
     for version in ("1.0", "2.0"):
         make_wheel(index, "beta", version)
     make_wheel(index, "gamma", "1.0")
     make_wheel(index, "textpack", "0.6", ("not-on-the-index>=1",))
     make_sdist(index, tmp_path / "sdists", "delta", "0.1")
-    project = make_source_project(tmp_path / "toyproj", "toyproj", "0.3", ("alpha", "gamma", "delta"))
+    project = make_source_project(tmp_path / "toyproj", "toyproj", "0.3", ("alpha[fast]", "gamma", "delta"))
     (project / "constraints.txt").write_text("# the project's pins\nalpha==1.0\ntorch==9.0\ntriton==3.9.0\n")
     node = new_venv(tmp_path / "node")
     pip(node, "install", "--no-index", f"--find-links={index}", "torch==9.0", "beta==1.0", "gamma==1.0")
@@ -118,7 +126,8 @@ def test_the_wheelhouse_holds_what_the_node_lacks_and_installs_from_the_folder_a
     got = {f["name"]: (f["version"], f["why"]) for f in manifest["files"].values()}
     assert got == {"toyproj": ("0.3", "this project"), "alpha": ("1.0", "the node lacks it"),
                    "beta": ("2.0", "the node has 1.0; the requirements ask for another"),
-                   "delta": ("0.1", "built here from its source package"), "textpack": ("0.6", "the node lacks it")}
+                   "delta": ("0.1", "built here from its source package"), "textpack": ("0.6", "the node lacks it"),
+                   "epsilon": ("0.2", "the node lacks it")}
     assert manifest["node_packages_kept"] == {"gamma": "1.0", "torch": "9.0"}  # nvidia-fake: only torch needs it
     for wheel, entry in manifest["files"].items():
         assert hashlib.sha256((house / wheel).read_bytes()).hexdigest() == entry["sha256"]
@@ -146,7 +155,7 @@ def test_the_wheelhouse_holds_what_the_node_lacks_and_installs_from_the_folder_a
     pip(toy["node"], "install", "--no-index", f"--find-links={folder}", "-r", str(folder / "requirements.txt"))
     pip(toy["node"], "install", "--no-index", f"--find-links={folder}", "--no-deps", "-r",
         str(folder / "requirements-nodeps.txt"))
-    versions = subprocess.run([str(toy["node"]), "-c", "import alpha, beta, delta, gamma, textpack, toyproj, torch; "
+    versions = subprocess.run([str(toy["node"]), "-c", "import alpha, beta, delta, epsilon, gamma, textpack, toyproj, torch; "
                                "print(alpha.VERSION, beta.VERSION, delta.VERSION, torch.VERSION)"],
                               capture_output=True, text=True, cwd=toy["tmp"])
     assert versions.stdout.split() == ["1.0", "2.0", "0.1", "9.0"], versions.stderr
