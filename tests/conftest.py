@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,9 +112,30 @@ def repo_cache_dir() -> str:
     return str(REPO / ".cache" / "tcal")
 
 
+_SHARED_STORE: list[Path] = []
+
+
+def default_token_store() -> Path:
+    """The folder of the default training split's token store (Shakespeare's training plays, the packaged tokenizer,
+    no cap) in the repo cache, prepared there once (about 1.3M tokens: seconds of tokenizing that every training run
+    in a fresh cache would repeat)."""
+    if not _SHARED_STORE:
+        from tcal.data.documents import load_splits
+        from tcal.data.token_store import open_store
+        from tcal.teachers.load import load_tokenizer
+
+        settings = compose("experiment=smoke")
+        tokenizer = load_tokenizer(settings.teacher, repo_cache_dir())
+        _SHARED_STORE.append(open_store(load_splits(settings.data).train, tokenizer, repo_cache_dir(),
+                                        settings.data).folder)
+    return _SHARED_STORE[0]
+
+
 def isolated_cache_dir(folder: Path) -> str:
     """A fresh cache folder for a run (nothing cached: calibrations and selections are computed) that shares
-    the repo cache's converted SmolLM2 teacher/tokenizer through a symlink (converted there once if missing)."""
+    the repo cache's converted SmolLM2 teacher/tokenizer through a symlink (converted there once if missing) and
+    holds a copy of the default training split's token store (`default_token_store`; a copy, so that a test may
+    damage or extend its own). A run on other training data or another `data.max_tokens` prepares its own store."""
     from tcal.teachers.load import load_tokenizer
 
     shared = Path(repo_cache_dir())
@@ -124,6 +146,8 @@ def isolated_cache_dir(folder: Path) -> str:
         for converted in (shared / kind).iterdir() if (shared / kind).is_dir() else ():
             if not converted.name.endswith(".tmp"):
                 (folder / kind / converted.name).symlink_to(converted.resolve(), target_is_directory=True)
+    store = default_token_store()
+    shutil.copytree(store, folder / "token_store" / store.name, ignore=shutil.ignore_patterns("*.tmp", "*.lock"))
     return str(folder)
 
 
