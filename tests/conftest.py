@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -133,9 +132,9 @@ def default_token_store() -> Path:
 
 def isolated_cache_dir(folder: Path) -> str:
     """A fresh cache folder for a run (nothing cached: calibrations and selections are computed) that shares
-    the repo cache's converted SmolLM2 teacher/tokenizer through a symlink (converted there once if missing) and
-    holds a copy of the default training split's token store (`default_token_store`; a copy, so that a test may
-    damage or extend its own). A run on other training data or another `data.max_tokens` prepares its own store."""
+    the repo cache's converted SmolLM2 teacher/tokenizer and the default training split's token store
+    (`default_token_store`) through symlinks (made there once if missing). A run on other training data or another
+    `data.max_tokens` prepares its own store here."""
     from tcal.teachers.load import load_tokenizer
 
     shared = Path(repo_cache_dir())
@@ -147,7 +146,8 @@ def isolated_cache_dir(folder: Path) -> str:
             if not converted.name.endswith(".tmp"):
                 (folder / kind / converted.name).symlink_to(converted.resolve(), target_is_directory=True)
     store = default_token_store()
-    shutil.copytree(store, folder / "token_store" / store.name, ignore=shutil.ignore_patterns("*.tmp", "*.lock"))
+    (folder / "token_store").mkdir()
+    (folder / "token_store" / store.name).symlink_to(store.resolve(), target_is_directory=True)
     return str(folder)
 
 
