@@ -29,8 +29,11 @@ os.environ["WANDB_MODE"] = "offline"
 os.chdir(REPO)
 
 # Every model in the tests is tiny: with 2 OpenMP threads on a busy 2-core machine each small matmul waits
-# on thread sync (about 15 ms for a 64x64 linear, against 6 us on one thread). One thread is faster here.
-torch.set_num_threads(int(os.environ.get("TCAL_TEST_THREADS", "1")))
+# on thread sync (about 15 ms for a 64x64 linear, against 6 us on one thread). One thread is faster here, and in
+# every process a test starts (`tcal` runs, ranks, the xdist workers): they inherit OMP_NUM_THREADS, whatever the
+# caller's (a `tcal` smoke run took 2-3x the CPU time and wall time with OpenMP's default of 2 threads).
+os.environ["OMP_NUM_THREADS"] = os.environ.get("TCAL_TEST_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 FAMILY_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
