@@ -29,8 +29,11 @@ os.environ["WANDB_MODE"] = "offline"
 os.chdir(REPO)
 
 # Every model in the tests is tiny: with 2 OpenMP threads on a busy 2-core machine each small matmul waits
-# on thread sync (about 15 ms for a 64x64 linear, against 6 us on one thread). One thread is faster here.
-torch.set_num_threads(int(os.environ.get("TCAL_TEST_THREADS", "1")))
+# on thread sync (about 15 ms for a 64x64 linear, against 6 us on one thread). One thread is faster here, and in
+# every process a test starts (`tcal` runs, ranks, the xdist workers): they inherit OMP_NUM_THREADS, whatever the
+# caller's (a `tcal` smoke run took 2-3x the CPU time and wall time with OpenMP's default of 2 threads).
+os.environ["OMP_NUM_THREADS"] = os.environ.get("TCAL_TEST_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 FAMILY_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -111,9 +114,30 @@ def repo_cache_dir() -> str:
     return str(REPO / ".cache" / "tcal")
 
 
+_SHARED_STORE: list[Path] = []
+
+
+def default_token_store() -> Path:
+    """The folder of the default training split's token store (Shakespeare's training plays, the packaged tokenizer,
+    no cap) in the repo cache, prepared there once (about 1.3M tokens: seconds of tokenizing that every training run
+    in a fresh cache would repeat)."""
+    if not _SHARED_STORE:
+        from tcal.data.documents import load_splits
+        from tcal.data.token_store import open_store
+        from tcal.teachers.load import load_tokenizer
+
+        settings = compose("experiment=smoke")
+        tokenizer = load_tokenizer(settings.teacher, repo_cache_dir())
+        _SHARED_STORE.append(open_store(load_splits(settings.data).train, tokenizer, repo_cache_dir(),
+                                        settings.data).folder)
+    return _SHARED_STORE[0]
+
+
 def isolated_cache_dir(folder: Path) -> str:
     """A fresh cache folder for a run (nothing cached: calibrations and selections are computed) that shares
-    the repo cache's converted SmolLM2 teacher/tokenizer through a symlink (converted there once if missing)."""
+    the repo cache's converted SmolLM2 teacher/tokenizer and the default training split's token store
+    (`default_token_store`) through symlinks (made there once if missing). A run on other training data or another
+    `data.max_tokens` prepares its own store here."""
     from tcal.teachers.load import load_tokenizer
 
     shared = Path(repo_cache_dir())
@@ -124,6 +148,9 @@ def isolated_cache_dir(folder: Path) -> str:
         for converted in (shared / kind).iterdir() if (shared / kind).is_dir() else ():
             if not converted.name.endswith(".tmp"):
                 (folder / kind / converted.name).symlink_to(converted.resolve(), target_is_directory=True)
+    store = default_token_store()
+    (folder / "token_store").mkdir()
+    (folder / "token_store" / store.name).symlink_to(store.resolve(), target_is_directory=True)
     return str(folder)
 
 

@@ -23,12 +23,13 @@ from safetensors.torch import load_file
 from tcal import api
 from tcal.pipeline import run
 from tcal.runtime.signals import Interrupted, KeyboardInterrupted, handling
-from tcal.settings import DataSettings, DistillSettings, init_settings, tiny_teacher
+from tcal.settings import DataSettings, DistillSettings, EvalSettings, init_settings, tiny_teacher
 
 TINY = ("experiment=smoke", "init=naive", "eval.num_windows=2", "logger=none")
 DISTILL = ("stage=distill", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=256",
            "stage.eval_every_tokens=128")
 COMPARED = ("curve", "metrics", "keep_layers", "init_weights_digest", "calibration")
+SMALL_EVAL = EvalSettings(seq_len=64, num_windows=2)  # the curve's windows in a library run (default: 16 of 512)
 STAGE_COMPARED = ("steps", "tokens_seen", "curve", "loss_first", "loss_last", "rank_weight_digests")
 
 
@@ -118,8 +119,8 @@ def test_ctrl_c_in_api_distill_raises_keyboard_interrupt_not_system_exit(tiny, m
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt) as raised:
         api.distill(api.build_student(teacher, [0, 2]), teacher, splits,
-                    DistillSettings(batch_size=2, seq_len=32, eval_every_tokens=64), tokens=256, run_dir=tmp_path,
-                    cache_dir=tmp_path / "cache")
+                    DistillSettings(batch_size=2, seq_len=32, eval_every_tokens=64), tokens=256, eval=SMALL_EVAL,
+                    run_dir=tmp_path, cache_dir=isolated_cache_dir(tmp_path / "cache"))
     assert isinstance(raised.value, KeyboardInterrupted) and raised.value.signum == signal.SIGINT
     assert signal.getsignal(signal.SIGINT) is before
 
@@ -324,6 +325,6 @@ def test_while_a_trainer_runs_every_signal_is_tcal_s_alone(tiny, tmp_path):
 
     teacher, splits = tiny
     api.distill(api.build_student(teacher, [0, 2]), teacher, splits,
-                DistillSettings(batch_size=2, seq_len=32, eval_every_tokens=64), tokens=128, run_dir=tmp_path,
-                cache_dir=tmp_path / "cache", callbacks=[Handlers()])
+                DistillSettings(batch_size=2, seq_len=32, eval_every_tokens=64), tokens=128, eval=SMALL_EVAL,
+                run_dir=tmp_path, cache_dir=isolated_cache_dir(tmp_path / "cache"), callbacks=[Handlers()])
     assert seen and all(handler is signals._handler for handler in seen.values()), seen

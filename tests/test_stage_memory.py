@@ -13,12 +13,13 @@ import weakref
 import lightning as L
 import pytest
 import torch
-from conftest import compose, repo_cache_dir
+from conftest import compose, isolated_cache_dir, repo_cache_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tcal import api
-from tcal.settings import DataSettings, TrainerSettings, tiny_teacher
+from tcal.settings import DataSettings, EvalSettings, TrainerSettings, tiny_teacher
 
+SMALL_EVAL = EvalSettings(seq_len=64, num_windows=2)  # the curve's windows (the default: 16 of 512 tokens)
 BUDGET = ["stage=align_distill", *(f"stage.{kind}.{key}={value}" for kind in ("align", "distill")
                                     for key, value in (("batch_size", 2), ("seq_len", 32), ("max_tokens", 128),
                                                        ("eval_every_tokens", 64)))]
@@ -86,9 +87,9 @@ def distill_watched(tiny, tmp_path, monkeypatch, trainer: TrainerSettings):
     monkeypatch.setattr(training, "collect_checkpoint_cycles", lambda kind: (collections.append(kind), collect(kind)))
     stage = compose(*BUDGET).stage
     with no_garbage_collection():
-        student, records = api.distill(api.build_student(teacher, [0, 2]), teacher, splits, stage, trainer=trainer,
-                                       run_dir=tmp_path / "run", cache_dir=tmp_path / "cache",
-                                       callbacks=[watch])
+        student, records = api.distill(api.build_student(teacher, [0, 2]), teacher, splits, stage, eval=SMALL_EVAL,
+                                       trainer=trainer, run_dir=tmp_path / "run",
+                                       cache_dir=isolated_cache_dir(tmp_path / "cache"), callbacks=[watch])
         alive = watch.alive()
     assert set(records) == {"align", "distill"} and all(records[k]["steps"] == 2 for k in records)
     assert not any(moved)  # cleared at the end of training, before the teardown

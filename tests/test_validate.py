@@ -230,6 +230,7 @@ def tcal(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     (["-m", "stage=align,distill", "stage.lr=0.1"], r"^stage.lr=0.1: Key 'lr' not in 'DistillSettings' \(key "
                                                     r"stage.lr\) \(in the job with stage=distill\)$"),
     (["+seed=3"], r"^\+seed=3: Could not append to config\. An item is already at 'seed'"),
+    (["seed=${nope}"], r"^seed: Interpolation key 'nope' not found; expected an interpolation that resolves"),
     (["~stage.bogus"], r"^~stage.bogus: Could not delete from config\. 'stage.bogus' does not exist"),
     (["retention.keep=[0,"], r"^retention.keep=\[0,: cannot be read \(no viable alternative at input '\[0,'\); "
                              r"expected key=value"),
@@ -258,13 +259,18 @@ def test_overrides_that_compose_pass():
     check_arguments(["-m", "stage=align,align_distill", "init=naive,full", "seed=range(2)", "hydra.sweep.dir=x"])
 
 
+# One `tcal` process each (seconds of imports): the default suite runs one refusal of `check_arguments` (before Hydra)
+# and one of the job (trainer=gpu); the other refusals of `check_arguments` print through the same line (their
+# messages are checked in-process above) and run under `make test-slow`.
 @pytest.mark.parametrize("args,message", [
     (["retention.ratio=1.5"], "retention.ratio=1.5 must lie in (0, 1]"),
-    (["stage=bogus"], "stage='bogus': no such option in config group 'stage'"),
-    (["stage=distill", "stage.lr_mixr=0.1"], "stage.lr_mixr=0.1: Key 'lr_mixr' not in 'DistillSettings' (did you "
-                                             "mean stage.lr_mixer?)"),
-    (["+stage.lr_mixr=0.1", "stage=distill"], "stage.lr_mixr=0.1: no such setting (did you mean stage.lr_mixer?)"),
-    (["seed=${nope}"], "seed: Interpolation key 'nope' not found; expected an interpolation that resolves"),
+    pytest.param(["stage=bogus"], "stage='bogus': no such option in config group 'stage'", marks=pytest.mark.slow),
+    pytest.param(["stage=distill", "stage.lr_mixr=0.1"], "stage.lr_mixr=0.1: Key 'lr_mixr' not in 'DistillSettings' "
+                                                         "(did you mean stage.lr_mixer?)", marks=pytest.mark.slow),
+    pytest.param(["+stage.lr_mixr=0.1", "stage=distill"], "stage.lr_mixr=0.1: no such setting (did you mean "
+                                                          "stage.lr_mixer?)", marks=pytest.mark.slow),
+    pytest.param(["seed=${nope}"], "seed: Interpolation key 'nope' not found; expected an interpolation that "
+                                   "resolves", marks=pytest.mark.slow),
     pytest.param(["trainer=gpu"], "trainer.accelerator='gpu' (strategy 'auto') needs a GPU, but no GPU is visible "
                                   "here", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ])
