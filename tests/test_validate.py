@@ -202,6 +202,12 @@ def test_true_or_false_settings_take_only_true_or_false(args):
     (["-m", "init=choice(naive,fancy)"], r"init='fancy': no such option in config group 'init'"),
     (["trainer=deepspeed"], r"trainer='deepspeed': no such option in config group 'trainer'; expected one of cpu, "
                             r"ddp, default, fsdp, gpu"),  # removed: docs/scale.md says why
+    # an optional group (Hydra drops an unknown name there without a word, and the default job would run)
+    (["experiment=no_such_experiment"], r"^experiment='no_such_experiment': no such option in config group "
+                                        r"'experiment'; expected one of .*smoke"),
+    (["-m", "experiment=smoke,no_such"], r"^experiment='no_such': no such option in config group 'experiment'"),
+    (["+sweep=no_such_sweep"], r"^sweep='no_such_sweep': no such option in config group 'sweep'; expected one of "
+                               r"after_training, "),
 ])
 def test_unknown_group_option(args, match):
     with pytest.raises(ConfigError, match=match) as info:
@@ -258,6 +264,8 @@ def test_overrides_that_compose_pass():
 @pytest.mark.parametrize("args,message", [
     (["retention.ratio=1.5"], "retention.ratio=1.5 must lie in (0, 1]"),
     (["stage=bogus"], "stage='bogus': no such option in config group 'stage'"),
+    (["experiment=no_such_experiment"], "experiment='no_such_experiment': no such option in config group "
+                                        "'experiment'; expected one of "),
     (["stage=distill", "stage.lr_mixr=0.1"], "stage.lr_mixr=0.1: Key 'lr_mixr' not in 'DistillSettings' (did you "
                                              "mean stage.lr_mixer?)"),
     (["+stage.lr_mixr=0.1", "stage=distill"], "stage.lr_mixr=0.1: no such setting (did you mean stage.lr_mixer?)"),

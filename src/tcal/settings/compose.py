@@ -59,7 +59,7 @@ def compose_here(overrides: list[str], return_hydra_config: bool = False) -> Dic
     from omegaconf.errors import OmegaConfBaseException
 
     for arg in overrides:
-        parse(arg)
+        check_group_choice(arg)
     try:
         cfg = hydra_compose(config_name="config", overrides=overrides + plugin_search_path(),
                             return_hydra_config=return_hydra_config)
@@ -67,6 +67,20 @@ def compose_here(overrides: list[str], return_hydra_config: bool = False) -> Dic
         raise ConfigError(composition_error(err, overrides)) from None
     check_true_or_false(cfg, overrides)
     return cfg
+
+
+def check_group_choice(arg: str) -> None:
+    """`group=option` names an option of the group: Hydra refuses another name only where the group must be chosen,
+    and an `optional` group (`experiment`) would drop it without a word and run the default job."""
+    override = parse(arg)
+    key = _override_key(arg)
+    if override.is_delete() or override.is_sweep_override() or key.startswith("hydra"):
+        return  # Hydra's own groups (launchers, sweepers) are its plugins', not conf/'s
+    options = group_options(key)
+    value = override.value()
+    if options is not None and isinstance(value, str) and value not in options:
+        raise ConfigError(f"{key}={value!r}: no such option in config group {key!r}; expected one of "
+                          f"{', '.join(options)}")
 
 
 def plugin_search_path() -> list[str]:
