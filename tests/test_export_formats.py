@@ -81,6 +81,54 @@ def test_hf_export_loads_its_own_code(students, tmp_path):
     assert record["parity"]["passed"]
 
 
+def test_the_hf_export_runs_every_call_a_user_makes(students, tmp_path):
+    """Through stock transformers and the shipped code: a plain forward (every argument at its default), generate
+    with the cache, and a left-padded batch each give the student's logits and tokens; the record lists the calls."""
+    from transformers import AutoModelForCausalLM
+
+    from tcal.export.parity import CALLS, greedy, padded_batch
+
+    student, folder = students["llama"]
+    record = export(folder, tmp_path / "hf", "hf")
+    assert record["parity"]["passed"] and record["parity"]["calls"] == list(CALLS)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True, dtype=torch.float32).eval()
+    prompts = parity_prompts(None, student.config.vocab_size)
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            assert torch.allclose(model(ids).logits, student(ids).logits, atol=1e-4)
+            assert greedy(model, prompt) == greedy(student, prompt)
+        (got, got_tokens), (want, want_tokens) = padded_batch(model, prompts), padded_batch(student, prompts)
+    assert got_tokens == want_tokens and all(torch.allclose(a, b, atol=1e-4) for a, b in zip(got, want))
+
+
+def test_parity_fails_an_export_that_cannot_make_a_user_s_call_or_pad(students):
+    """The faults a use_cache=False forward alone never meets: code that needs an argument a plain call does not pass,
+    and code that ignores the attention mask of a padded batch."""
+    import copy
+
+    student, _ = students["llama"]
+    prompts = parity_prompts(None, student.config.vocab_size)
+    needs_use_cache = copy.deepcopy(student)
+    forward = needs_use_cache.forward
+
+    def forward_needing_use_cache(*args, use_cache=None, **kwargs):
+        if use_cache is None:
+            raise AttributeError("'TcalHybridConfig' object has no attribute 'use_cache'")
+        return forward(*args, use_cache=use_cache, **kwargs)
+
+    needs_use_cache.forward = forward_needing_use_cache
+    failed = compare(student, needs_use_cache, prompts)
+    assert not failed.passed and failed.failed_call.startswith("plain forward (AttributeError: ")
+    assert "fails a plain forward" in failed.summary()
+    ignores_padding = copy.deepcopy(student)
+    unmasked = ignores_padding.forward
+    ignores_padding.forward = lambda *args, attention_mask=None, **kwargs: unmasked(*args, **kwargs)
+    padded = compare(student, ignores_padding, prompts)
+    assert not padded.passed and padded.failed_call is None and padded.max_abs_logit_diff > 1e-2
+    assert compare(student, copy.deepcopy(student), prompts).passed
+
+
 def test_hf_modeling_code_imports_torch_and_transformers_only():
     tree = ast.parse(REMOTE_CODE.read_text())
     roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
