@@ -225,6 +225,56 @@ def test_resume_takes_safe_overrides_and_the_run_s_own_settings(recorded_run):
     assert resumed.tree() == expected
 
 
+@pytest.mark.parametrize("stage,safe,changing,match", [
+    (DISTILL, ["stage.cache_tokens=false"], ["stage.lr_mixer=1e-5"], r"stage.lr_mixer=1e-05 \(that run: 0.0001\)"),
+    (("stage=align", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=128", "stage.eval_every_tokens=64"),
+     ["stage.cache=false", "stage.cache_tokens=false"], ["stage.lr=0.5"], r"stage.lr=0.5 \(that run: 0.001\)"),
+    (ALIGN_DISTILL, ["stage.align.cache=true", "stage.distill.cache_tokens=false"], ["stage.distill.kl_chunk_size=8"],
+     r"stage.distill.kl_chunk_size=8 \(that run: 256\)"),
+], ids=["distill", "align", "align_distill"])
+def test_a_resume_reads_stage_overrides_against_the_run_s_own_stage(stage, safe, changing, match, tmp_path):
+    """`tcal resume=DIR stage.<key>=...` is read against the run's stage, not the default `stage=none` (which has none
+    of these keys): the settings that change nothing are taken, one that changes the run is refused, naming it."""
+    recorded = compose(*TINY, *stage)
+    (tmp_path / "results.json").write_text(json.dumps(example_record("initialized", config=recorded.tree())))
+    check_arguments([f"resume={tmp_path}", *safe])
+    with pytest.raises(FolderInUse, match=rf"^resume={tmp_path}: the run was started with other settings "
+                                          rf"\({match}\); expected only settings that change nothing"):
+        check_arguments([f"resume={tmp_path}", *changing])
+    with app.hydra_configs():
+        choices = app.run_choices([f"resume={tmp_path}", *safe], app.run_settings(app.compose_here([])))
+        # each group whose settings are of another class than the defaults' (the smoke run's harness and init too)
+        assert choices == ["eval/harness=none", "init=naive", f"stage={recorded.stage.name}"]
+        command = app.run_settings(app.compose_here([*choices, f"resume={tmp_path}", *safe]))
+        resumed = app.resumed(command, app.run_settings(app.compose_here(choices)), [*choices, f"resume={tmp_path}",
+                                                                                     *safe], choices)
+    expected = {**recorded.tree(), "resume": str(tmp_path)}
+    for arg in safe:  # each a switch of a cache, true or false
+        key, value = arg.split("=")
+        *parents, leaf = key.split(".")
+        node = expected
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value == "true"
+    assert resumed.tree() == expected
+
+
+def test_tcal_resume_with_a_stage_setting_is_read_against_the_run(straight):
+    """At the `tcal` entry: a safe stage setting on a complete run's resume says there is nothing to do (exit 0); one
+    that changes the run is one line naming it (exit 2)."""
+    _, runs = straight
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    tcal = [sys.executable, "-m", "tcal.cli.app", f"resume={runs['distill']}"]
+    safe = subprocess.run([*tcal, "stage.cache_tokens=false"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert safe.returncode == 0 and "complete; nothing to do" in safe.stdout, safe.stderr[-2000:]
+    changing = subprocess.run([*tcal, "stage.lr_mixer=1e-5"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=300)
+    lines = changing.stderr.strip().splitlines()
+    assert changing.returncode == 2 and len(lines) == 1, changing.stderr[-2000:]
+    assert "stage.lr_mixer=1e-05 (that run: 0.0001)" in lines[0]
+
+
 def test_a_bare_resume_continues_the_run_as_recorded(tmp_path):
     """`tcal resume=DIR` with nothing else keeps every setting of the run, those that change nothing included: its
     teacher's name, task name, logger and paths are the run's, not the resume command's defaults."""
