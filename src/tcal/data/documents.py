@@ -32,7 +32,7 @@ import torch
 from tcal.errors import ConfigError, DataError, HubUnavailable
 from tcal.settings.data import DataSettings, HubDataSettings
 from tcal.store.cache import get_or_build, tensor_codec
-from tcal.store.fingerprint import digest, tokenizer_digest
+from tcal.store.fingerprint import digest, file_digest, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +192,12 @@ class StreamedDocuments:
         return self.from_document(0)
 
     def describe(self) -> dict:
-        """What decides these documents (a token store's key holds it): the source's settings, local files' sizes."""
+        """What decides these documents (a token store's key holds it): the source's settings, the local files' bytes
+        (their sha256: a local copy changed in place makes another store)."""
         data = self.data
         files = plain_data_files(data.data_files) if data.data_files else None
         return {"dataset": data.dataset, "subset": data.subset, "split": data.split, "text_field": data.text_field,
-                "data_files": files, "file_sizes": local_file_sizes(data.dataset, files),
+                "data_files": files, "file_digests": local_file_digests(data.dataset, files),
                 "max_documents": data.max_documents, "held_out": self.held_out}
 
 
@@ -225,14 +226,15 @@ def check_local_data_files(data: HubDataSettings) -> None:
                               f"files); expected an existing file or a pattern that matches some")
 
 
-def local_file_sizes(dataset: str, files) -> dict[str, int]:
-    """{path: bytes} of the local files a dataset reads (a local folder's files, the data files' matches), so a
-    changed local copy makes another store; hub files are not listed."""
+def local_file_digests(dataset: str, files) -> dict[str, str]:
+    """{path: sha256} of the local files a dataset reads (a local folder's files, the data files' matches), so a
+    local copy changed in place makes another store (each file hashed once per process: about a second a GB); hub
+    files are not listed."""
     paths = sorted({Path(p) for pattern in data_file_patterns(files) for p in local_matches(pattern)})
     folder = Path(dataset).expanduser()
     if folder.is_dir():
         paths += sorted(p for p in folder.rglob("*") if p.is_file())
-    return {str(p): p.stat().st_size for p in paths if p.is_file()}
+    return {str(p): file_digest(p) for p in paths if p.is_file()}
 
 
 SOURCES = {"shakespeare": lambda data: shakespeare_documents(), "files": lambda data: file_documents(data.files),
