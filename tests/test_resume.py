@@ -172,6 +172,38 @@ def test_a_damaged_checkpoint_is_named_and_the_record_keeps_what_it_held(straigh
 
 
 # ----------------------------------------------------------------------------------------------------------
+def test_a_resume_whose_data_changed_is_refused_naming_the_file(tmp_path):
+    """A data.source=files run killed in Stage 2, its training file rewritten: the resume is refused before any work
+    naming the file (here and at the `tcal` entry: one line, exit code 2), the record as it was; the file put back,
+    the same resume completes."""
+    from tcal.data.documents import shakespeare_documents
+
+    text = shakespeare_documents()[0].text
+    docs = tmp_path / "docs.jsonl"
+    original = "".join(json.dumps({"text": text[i * 3000:(i + 1) * 3000]}) + "\n" for i in range(12))
+    docs.write_text(original)
+    data = ("data.source=files", f"data.files=[{docs}]", "data.calibration_docs=2", "data.evaluation_docs=2")
+    cfg = compose(*TINY, *DISTILL, *data, f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}")
+    killed = tmp_path / "killed"
+    with pytest.raises(Kill):
+        run(cfg, killed, callbacks=[KillAt("distill", 3)])
+    docs.write_text(original.replace("the", "a"))
+    record = (killed / "results.json").read_bytes()
+    with pytest.raises(FolderInUse, match=rf"^{killed} holds a run that read other data than this command would: "
+                                          rf"{docs} \(its content\) changed since it started; expected the data it "
+                                          rf"started with \(put it back\), or a new run"):
+        resume(killed)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "tcal.cli.app", f"resume={killed}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and f"{docs} (its content) changed" in lines[0], done.stderr[-2000:]
+    assert (killed / "results.json").read_bytes() == record
+    docs.write_text(original)
+    resume(killed)
+    assert read(killed)["status"] == "complete" and set(read(killed)["inputs"]["files"]) == {str(docs)}
+
+
 # Overrides on resume
 
 

@@ -18,6 +18,7 @@ The training split is tokenized once into the token store (`tcal.data.token_stor
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -287,6 +288,42 @@ def eval_sets(data: DataSettings, splits: Splits) -> dict[str, list[Document]]:
             raise ValueError(f"data.eval_files: eval set name {stem!r} is used twice")
         sets[stem] = file_documents([path])
     return sets
+
+
+def documents_digest(docs) -> str:
+    """Digest of documents' names and text, in order (streamed: no copy of the text is joined)."""
+    h = hashlib.sha256()
+    for doc in docs:
+        for part in (doc.name, doc.text):
+            data = part.encode("utf-8", errors="surrogatepass")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+    return h.hexdigest()[:20]
+
+
+def input_digests(data: DataSettings, splits: Splits) -> dict:
+    """What a run reads, as digests (results.json `inputs`): `files`, each local file it names (`data.files` with
+    source=files, `data.eval_files`) by the sha256 of its bytes; `splits`, the documents of each split (a streamed
+    training split by what decides it: its source's settings and local files' digests). About a second a GB of
+    text, once per run."""
+    named = [*(data.files if data.source == "files" else []), *data.eval_files]
+    train = splits.train
+    return {"files": {str(path): file_digest(Path(str(path)).expanduser()) for path in named},
+            "splits": {"train": digest(train.describe()) if isinstance(train, StreamedDocuments) else
+                       documents_digest(train), "calibration": documents_digest(splits.calibration),
+                       "evaluation": documents_digest(splits.evaluation)}}
+
+
+def changed_inputs(recorded: dict, now: dict, data: DataSettings) -> list[str]:
+    """What differs between two `input_digests`, in words: the files whose bytes changed (or that are gone or new),
+    else the splits whose documents did (a source read from elsewhere than a named file)."""
+    files = [f"{path} (its content)" if path in now["files"] else f"{path} (no longer read)"
+             for path, sha in recorded.get("files", {}).items() if now["files"].get(path) != sha]
+    files += [f"{path} (not read before)" for path in now["files"] if path not in recorded.get("files", {})]
+    if files:
+        return files
+    return [f"the {split} split of data.source={data.source!r}" for split, value in recorded.get("splits", {}).items()
+            if now["splits"].get(split) != value]
 
 
 def tokenize_documents(docs: list[Document], tokenizer) -> torch.Tensor:
