@@ -124,6 +124,11 @@ CASES = [
     (["eval.ruler=null"], r"eval.ruler=None; expected an option of eval/ruler: none, default"),
     (["teacher.config.vocab_size=1000"], r"teacher.config.vocab_size: the teacher's embedding has 1000 rows, fewer "
                                          r"than its tokenizer's 49152 ids"),
+    # resources beyond the machine's: refused before a process is forked
+    (["data.workers=100000"], r"data.workers=100000: more tokenizing processes than the \d+ CPUs this process may "
+                              r"use; expected at most \d+, or null"),
+    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=4096"],
+     r"trainer.devices=4096 CPU processes with trainer.accelerator=cpu, more than the \d+ CPUs this process may use"),
     (["stage=distill", "stage.max_tokens=9223372036854775807"], r"stage.max_tokens=9223372036854775807: "
                                                                 r"[\d,]+ samples .* expected at most 2\*\*30 samples"),
 ]
@@ -150,6 +155,16 @@ def test_bad_setting_is_named_before_any_work(overrides, match, compose_cfg, off
     overrides = [o.replace("{tmp}", str(tmp)) for o in overrides]
     err = run_fails(compose_cfg, tmp, ConfigError, match, *overrides)
     assert "\n" not in str(err)  # one line on the console
+
+
+def test_gpu_ids_beyond_the_visible_gpus_are_refused(monkeypatch):
+    from tcal.preflight import check_resources
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_resources(compose("trainer=gpu", "trainer.devices=[0,1]"))
+    for devices in ("[0,3]", "'1,2'"):
+        with pytest.raises(ConfigError, match=r"^trainer.devices=\[\d, \d\]: GPU ids from 0 to 1 are visible here"):
+            check_resources(compose("trainer=gpu", f"trainer.devices={devices}"))
 
 
 def test_the_table_covers_at_least_25_cases():
@@ -266,6 +281,7 @@ def test_overrides_that_compose_pass():
     (["stage=bogus"], "stage='bogus': no such option in config group 'stage'"),
     (["experiment=no_such_experiment"], "experiment='no_such_experiment': no such option in config group "
                                         "'experiment'; expected one of "),
+    (["data.workers=100000"], "data.workers=100000: more tokenizing processes than the "),
     (["stage=distill", "stage.lr_mixr=0.1"], "stage.lr_mixr=0.1: Key 'lr_mixr' not in 'DistillSettings' (did you "
                                              "mean stage.lr_mixer?)"),
     (["+stage.lr_mixr=0.1", "stage=distill"], "stage.lr_mixr=0.1: no such setting (did you mean stage.lr_mixer?)"),

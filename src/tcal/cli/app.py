@@ -119,10 +119,11 @@ def run_in(settings: RunSettings, run_dir: Path, ranks=None) -> None:
     """Run `settings` in `run_dir`: skip it when already complete there, continue it when unfinished. The decision
     is taken once, before any rank writes: here, before this process starts the job's ranks (`tcal.cli.rank`), or by
     rank 0 for all when the ranks were started from outside (SLURM)."""
-    from tcal.preflight import check_trainer
+    from tcal.preflight import check_resources, check_trainer
     from tcal.runtime.distributed import launch, starts_ranks
     from tcal.store.rerun import check_not_held, check_student_saved
     check_trainer(settings.trainer)  # before any rank starts: `trainer=gpu` on a machine without CUDA is one line
+    check_resources(settings)  # nor more CPU ranks than CPUs
     starts = ranks is None and starts_ranks(settings.trainer)
     if not starts:
         ranks = ranks or launch(settings.trainer)
