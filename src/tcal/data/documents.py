@@ -281,7 +281,7 @@ def streamed_splits(data: HubDataSettings) -> Splits:
 
 def eval_sets(data: DataSettings, splits: Splits) -> dict[str, list[Document]]:
     """The held-out split under the data's name, plus one set per `eval_files` entry (named by file stem)."""
-    sets = {data.name: splits.evaluation}
+    sets = {data.eval_name(): splits.evaluation}
     for path in data.eval_files or []:
         stem = Path(path).stem
         if stem in sets:
