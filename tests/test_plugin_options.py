@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, isolated_cache_dir
 
+from tcal.errors import ConfigError
+
 TOY_INIT = '''
 """`toy_gate`: every GDN's output gate scaled by `gate_scale` (a toy mode, for the plugin test)."""
 from dataclasses import dataclass
@@ -182,15 +184,27 @@ def broken_plugins(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN_PLUGINS))
-def test_a_plugin_that_cannot_be_used_is_one_line_naming_it(case, broken_plugins, tmp_path):
-    """At the `tcal` entry (and `tcal-plan`'s, for one): exit code 2, one line naming the plugin, no traceback."""
+def test_a_plugin_that_cannot_be_used_is_one_line_naming_it(case, broken_plugins, monkeypatch):
+    """Every way a plugin fails is one ConfigError line naming it, as the entry points compose (`check_plugins`)."""
+    from tcal.registry import PLUGINS_ENV, REGISTRIES
+    from tcal.settings.compose import check_plugins
+
     plugins, _, message = BROKEN_PLUGINS[case]
+    monkeypatch.syspath_prepend(str(broken_plugins))
+    monkeypatch.setenv(PLUGINS_ENV, plugins)
+    for registry in REGISTRIES:  # asked anew, as a fresh process asks (the registries are as before afterwards)
+        monkeypatch.setattr(registry, "_loaded", False)
+    with pytest.raises(ConfigError, match=rf"^TCAL_PLUGINS={plugins!r}: .*{message}") as refused:
+        check_plugins()
+    assert "\n" not in str(refused.value)
+
+
+def test_a_failing_plugin_at_the_entry_points_is_one_line_and_exit_code_2(broken_plugins, tmp_path):
+    """At `tcal`'s entry and `tcal-plan`'s: exit code 2, one line naming the plugin, no traceback, nothing written."""
+    plugins, _, message = BROKEN_PLUGINS["raises"]
     env = {**os.environ, "TCAL_PLUGINS": plugins, "PYTHONPATH": f"{broken_plugins}{os.pathsep}{REPO / 'src'}",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    commands = [["tcal.cli.app", "experiment=smoke", "hydra.run.dir=run"]]
-    if case == "raises":
-        commands.append(["tcal.tools.plan", "teacher=tiny_llama"])
-    for command in commands:
+    for command in (["tcal.cli.app", "experiment=smoke", "hydra.run.dir=run"], ["tcal.tools.plan", "teacher=tiny_llama"]):
         done = subprocess.run([sys.executable, "-m", *command], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
         lines = done.stderr.strip().splitlines()
