@@ -146,11 +146,13 @@ def isolated_cache_dir(folder: Path) -> str:
     for kind in ("teachers", "tokenizers"):
         (folder / kind).mkdir(parents=True, exist_ok=True)
         for converted in (shared / kind).iterdir() if (shared / kind).is_dir() else ():
-            if not converted.name.endswith(".tmp"):
-                (folder / kind / converted.name).symlink_to(converted.resolve(), target_is_directory=True)
+            link = folder / kind / converted.name
+            if not converted.name.endswith(".tmp") and not link.is_symlink():  # a folder asked for again keeps its links
+                link.symlink_to(converted.resolve(), target_is_directory=True)
     store = default_token_store()
-    (folder / "token_store").mkdir()
-    (folder / "token_store" / store.name).symlink_to(store.resolve(), target_is_directory=True)
+    (folder / "token_store").mkdir(exist_ok=True)
+    if not (folder / "token_store" / store.name).is_symlink():
+        (folder / "token_store" / store.name).symlink_to(store.resolve(), target_is_directory=True)
     return str(folder)
 
 

@@ -16,8 +16,8 @@ from conftest import REPO, compose, compose_config, example_record, isolated_cac
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tcal.cli.app import earlier_run, run_in
-from tcal.data.documents import eval_sets, load_splits, token_windows
-from tcal.errors import FolderInUse
+from tcal.data.documents import Splits, eval_sets, load_splits, token_windows
+from tcal.errors import ConfigError, FolderInUse
 from tcal.evaluate.perplexity import perplexity
 from tcal.pipeline import run
 from tcal.store.record import COPIES, recorded_setting
@@ -140,8 +140,31 @@ def test_default_config_is_the_main_job():
     assert cfg.teacher.name == "smollm2_135m"
     assert cfg.retention.name == "uniform" and cfg.retention.ratio == 0.5
     assert cfg.eval.seq_len == 512 and cfg.eval.num_windows >= 16
-    assert cfg.data.name == "shakespeare" and list(cfg.data.eval_files) == []
+    assert cfg.data.eval_name() == "shakespeare" and list(cfg.data.eval_files) == []
     assert cfg.save_student
+
+
+@pytest.mark.parametrize("overrides,name", [
+    ([], "shakespeare"),
+    (["data.source=files", "data.files=[/data/plays.txt]"], "plays"),
+    (["data.source=files", "data.files=[/data/a.jsonl,/data/b.txt,/data/c.txt]"], "a+2"),
+    (["data.source=files", "data.files=[/data/plays.txt]", "data.name=held_out"], "held_out"),
+    (["data=wikitext"], "wikitext"),
+    (["data=fineweb_edu"], "fineweb_edu"),
+    (["data=wikitext", "data.dataset=json", "data.data_files={train:/data/notes.jsonl}"], "notes"),
+    (["data=fineweb_edu", "data.dataset=parquet", "data.data_files={train:'/data/fw/10BT/*.parquet'}"], "10BT"),
+])
+def test_the_held_out_eval_set_is_named_by_its_source(overrides, name, tmp_path):
+    """A run of local files or of another dataset does not record its held-out perplexity as `shakespeare` or as
+    the option it started from: the set is named by what was read, unless `data.name` names it."""
+    data = compose(*overrides).data
+    assert list(eval_sets(data, Splits([], [], []))) == [name]  # the one place eval sets are named
+    assert data.eval_name() == name
+
+
+def test_a_file_named_like_the_held_out_set_is_refused_by_its_source_s_name():
+    with pytest.raises(ConfigError, match=r"data.eval_files: eval set name 'plays' is used twice"):
+        compose("data.source=files", "data.files=[/data/plays.txt]", "data.eval_files=[/other/plays.txt]")
 
 
 def experiment_names() -> list[str]:
@@ -165,7 +188,7 @@ def test_paper_experiments_hold_the_paper_settings(name):
     cfg = compose(f"experiment={name}")
     assert cfg.teacher.name == name.split("_uniform")[0]
     assert (cfg.retention.name, cfg.retention.ratio) == ("uniform", 0.25)
-    assert (cfg.data.name, cfg.logger.name, cfg.trainer.strategy) == ("fineweb_edu", "wandb", "fsdp")
+    assert (cfg.data.eval_name(), cfg.logger.name, cfg.trainer.strategy) == ("fineweb_edu", "wandb", "fsdp")
     align, distill, gpus = cfg.stage.align, cfg.stage.distill, cfg.trainer.devices
     assert list(cfg.stage.sequence) == ["align", "distill"]
     assert (align.max_tokens, align.seq_len, align.batch_size * gpus) == (100_000_000, 512, 96)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +82,54 @@ def test_hf_export_loads_its_own_code(students, tmp_path):
     assert record["parity"]["passed"]
 
 
+def test_the_hf_export_runs_every_call_a_user_makes(students, tmp_path):
+    """Through stock transformers and the shipped code: a plain forward (every argument at its default), generate
+    with the cache, and a left-padded batch each give the student's logits and tokens; the record lists the calls."""
+    from transformers import AutoModelForCausalLM
+
+    from tcal.export.parity import CALLS, greedy, padded_batch
+
+    student, folder = students["llama"]
+    record = export(folder, tmp_path / "hf", "hf")
+    assert record["parity"]["passed"] and record["parity"]["calls"] == list(CALLS)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True, dtype=torch.float32).eval()
+    prompts = parity_prompts(None, student.config.vocab_size)
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            assert torch.allclose(model(ids).logits, student(ids).logits, atol=1e-4)
+            assert greedy(model, prompt) == greedy(student, prompt)
+        (got, got_tokens), (want, want_tokens) = padded_batch(model, prompts), padded_batch(student, prompts)
+    assert got_tokens == want_tokens and all(torch.allclose(a, b, atol=1e-4) for a, b in zip(got, want))
+
+
+def test_parity_fails_an_export_that_cannot_make_a_user_s_call_or_pad(students):
+    """The faults a use_cache=False forward alone never meets: code that needs an argument a plain call does not pass,
+    and code that ignores the attention mask of a padded batch."""
+    import copy
+
+    student, _ = students["llama"]
+    prompts = parity_prompts(None, student.config.vocab_size)
+    needs_use_cache = copy.deepcopy(student)
+    forward = needs_use_cache.forward
+
+    def forward_needing_use_cache(*args, use_cache=None, **kwargs):
+        if use_cache is None:
+            raise AttributeError("'TcalHybridConfig' object has no attribute 'use_cache'")
+        return forward(*args, use_cache=use_cache, **kwargs)
+
+    needs_use_cache.forward = forward_needing_use_cache
+    failed = compare(student, needs_use_cache, prompts)
+    assert not failed.passed and failed.failed_call.startswith("plain forward (AttributeError: ")
+    assert "fails a plain forward" in failed.summary()
+    ignores_padding = copy.deepcopy(student)
+    unmasked = ignores_padding.forward
+    ignores_padding.forward = lambda *args, attention_mask=None, **kwargs: unmasked(*args, **kwargs)
+    padded = compare(student, ignores_padding, prompts)
+    assert not padded.passed and padded.failed_call is None and padded.max_abs_logit_diff > 1e-2
+    assert compare(student, copy.deepcopy(student), prompts).passed
+
+
 def test_hf_modeling_code_imports_torch_and_transformers_only():
     tree = ast.parse(REMOTE_CODE.read_text())
     roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
@@ -119,3 +168,100 @@ def test_source_that_is_not_a_student_is_refused(tmp_path):
     (tmp_path / "run").mkdir()
     with pytest.raises(ExportRefused, match="no student there"):
         export(tmp_path / "run", tmp_path / "out", "tcal")
+
+
+def snapshot(folder) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def run_folder(students, tmp_path):
+    """A run folder as `tcal` leaves it: its student (saved by the run), record, checkpoints and logs."""
+    import shutil
+
+    from conftest import example_record
+
+    _, folder = students["llama"]
+    run = tmp_path / "run"
+    shutil.copytree(folder, run / "student")
+    (run / "results.json").write_text(json.dumps(example_record("complete", student_path=str(run / "student"))))
+    (run / "checkpoints" / "distill").mkdir(parents=True)
+    (run / "checkpoints" / "distill" / "last.ckpt").write_bytes(b"a checkpoint")
+    (run / "logs").mkdir()
+    (run / "logs" / "metrics.csv").write_text("step\n0\n")
+    return run
+
+
+@pytest.mark.parametrize("source,dest,match", [
+    ("run", "run/student", r"run/student is the student it exports"),
+    ("run/student", "run/student", r"run/student is the student it exports"),
+    ("run", "run/hf", r"run/hf is inside SOURCE"),
+    ("run/student", "run/student/hf", r"run/student/hf is inside the student it exports"),
+    ("run/student", "run", r"run holds the student it exports"),
+    ("other", "run", r"run is the run folder .*run: an export never writes into a run's"),
+    ("other", "run/student", r"run/student is .*run/student, a part of the run"),
+    ("other", "run/checkpoints/align", r"run/checkpoints/align is .*run/checkpoints, a part of the run"),
+    ("other", "run/logs/hf", r"run/logs/hf is .*run/logs, a part of the run"),
+    ("other", "saved", r"saved holds a student tcal saved \(no tcal_export.json: not an earlier tcal-export\)"),
+], ids=lambda value: value if isinstance(value, str) and "/" not in value[:3] else None)
+def test_an_export_never_writes_into_its_source_or_a_run_s_own_folders(source, dest, match, run_folder, students):
+    """An export's DEST is refused before any work, and nothing changes, when it is the source (or inside or above
+    it), a run folder or what a run holds of its own, or a student tcal saved; the run still exports afterwards."""
+    root = run_folder.parent
+    export_student(students["llama"][0], None, root / "other")
+    export_student(students["llama"][0], None, root / "saved")
+    before = snapshot(root)
+    with pytest.raises(ExportRefused, match=match) as refused:
+        export(root / source, root / dest, "hf")
+    assert "\n" not in str(refused.value) and snapshot(root) == before
+    assert export(run_folder, root / "exported", "tcal")["parity"]["passed"]
+
+
+def test_tcal_export_into_the_run_s_own_student_is_one_line_and_keeps_it(run_folder, tmp_path, capsys):
+    before = snapshot(run_folder)
+    with pytest.raises(SystemExit) as exited:
+        export_main([str(run_folder), str(run_folder / "student"), "--format", "hf"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and "is the student it exports" in err[0], err
+    assert snapshot(run_folder) == before
+    assert export_main([str(run_folder), str(tmp_path / "hf"), "--format", "hf"]) == 0
+
+
+@pytest.mark.parametrize("damage,named", [
+    (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:1000]),
+     "model.safetensors: the student's weights cannot be read"),
+    (lambda f: (f / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header"),
+     "model.safetensors: the student's weights cannot be read"),
+    (lambda f: (f / "model.safetensors").unlink(), "the student's weights cannot be read"),
+    (lambda f: (f / "config.json").write_text("{not json"), "config.json cannot be read (JSONDecodeError"),
+], ids=["truncated", "not_safetensors", "missing", "config_not_json"])
+def test_a_damaged_source_is_one_line_naming_the_file(damage, named, students, tmp_path, capsys):
+    import shutil
+
+    _, folder = students["llama"]
+    source = shutil.copytree(folder, tmp_path / "student")
+    damage(source)
+    with pytest.raises(SystemExit) as exited:
+        export_main([str(source), str(tmp_path / "out"), "--format", "hf"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and named in err[0], err
+    assert "Traceback" not in err[0] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc: a folder no user can write in")
+def test_a_dest_that_cannot_be_written_is_one_line_before_any_work(students, tmp_path, capsys, monkeypatch):
+    _, folder = students["llama"]
+    with pytest.raises(SystemExit) as exited:
+        export_main([str(folder), "/proc/tcal-export/hf", "--format", "hf"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and "/proc/tcal-export/hf cannot be written" in err[0], err
+    from tcal.store import files
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "write_manifest", disk_full)  # a write refused midway, after the check passed
+    assert export_main([str(folder), str(tmp_path / "full"), "--format", "tcal"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"tcal-export: cannot write {tmp_path / 'full'}: No space left on device (ENOSPC)")
+    assert not (tmp_path / "full").exists()

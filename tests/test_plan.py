@@ -297,6 +297,8 @@ def test_saved_tensors_count_what_the_graph_still_holds_once_and_skip_parameters
 @pytest.mark.parametrize("args,message", [
     (["stage=distill", "stage.batch_size=0"], "stage.batch_size=0; expected a positive integer"),
     (["trainer=nonesuch"], "trainer='nonesuch': no such option in config group 'trainer'"),
+    (["experiment=no_such_experiment"], "experiment='no_such_experiment': no such option in config group "
+                                        "'experiment'; expected one of "),
     (["stage.nonexistent=1"], "stage.nonexistent=1: Key 'nonexistent' not in 'StageSettings'"),
     (["trainer.strategy=deepspeed_stage_3"], "trainer.strategy='deepspeed_stage_3': DeepSpeed is not supported"),
     (["teacher=qwen3_8b", "teacher.architecture.model_type=gpt2"],

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, isolated_cache_dir
 
+from tcal.errors import ConfigError
+
 TOY_INIT = '''
 """`toy_gate`: every GDN's output gate scaled by `gate_scale` (a toy mode, for the plugin test)."""
 from dataclasses import dataclass
@@ -142,13 +144,92 @@ def test_the_api_runs_a_plugin_init_mode_and_policy(plugin_env, tmp_path):
 
 
 def test_a_plugin_package_that_cannot_be_imported_is_named_on_every_ask(monkeypatch):
-    from tcal.registry import PLUGINS_ENV, Registry
+    from tcal.registry import PLUGINS_ENV, PluginError, Registry
 
     monkeypatch.setenv(PLUGINS_ENV, "tcal_no_such_plugin")
     registry = Registry("init mode", "init", ("tcal.init",))
     for _ in range(2):
-        with pytest.raises(ModuleNotFoundError, match=r"TCAL_PLUGINS: cannot import 'tcal_no_such_plugin'"):
+        with pytest.raises(PluginError, match=r"TCAL_PLUGINS='tcal_no_such_plugin': cannot import "
+                                              r"'tcal_no_such_plugin' \(no module named 'tcal_no_such_plugin'\)"):
             registry.names()
+
+
+# Plugins that cannot be used: (TCAL_PLUGINS, {file under the plugin root: text}, what the one line says)
+BROKEN_PLUGINS = {
+    "raises": ("boom", {"boom/explode.py": "raise RuntimeError('boom at import')\n"},
+               r"plugin 'boom' fails: importing boom.explode raised RuntimeError: boom at import; fix the plugin, "
+               r"or remove it from TCAL_PLUGINS"),
+    "missing": ("no_such_plugin_package", {},
+                r"cannot import 'no_such_plugin_package' \(no module named 'no_such_plugin_package'\); expected "
+                r"packages that import here"),
+    "name_taken": ("dup", {"dup/again.py": "from tcal.registry import INIT_MODES\n"
+                                           "from tcal.settings.init import InitSettings\n"
+                                           "INIT_MODES.option('full', InitSettings)(None)\n"},
+                   r"plugin 'dup' fails: importing dup.again raised ValueError: init mode 'full' is already registered "
+                   r"\(by tcal.init.taylor\); expected a name of its own"),
+    "plain_module": ("plain_options", {"plain_options.py": "X = 1\n"},
+                     r"'plain_options' is a module \(.*plain_options.py\), not a package; expected a folder of "
+                     r"option modules"),
+}
+
+
+@pytest.fixture(scope="module")
+def broken_plugins(tmp_path_factory):
+    root = tmp_path_factory.mktemp("broken_plugins")
+    for _, files, _ in BROKEN_PLUGINS.values():
+        for name, text in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_PLUGINS))
+def test_a_plugin_that_cannot_be_used_is_one_line_naming_it(case, broken_plugins, monkeypatch):
+    """Every way a plugin fails is one ConfigError line naming it, as the entry points compose (`check_plugins`)."""
+    from tcal.registry import PLUGINS_ENV, REGISTRIES
+    from tcal.settings.compose import check_plugins
+
+    plugins, _, message = BROKEN_PLUGINS[case]
+    monkeypatch.syspath_prepend(str(broken_plugins))
+    monkeypatch.setenv(PLUGINS_ENV, plugins)
+    for registry in REGISTRIES:  # asked anew, as a fresh process asks (the registries are as before afterwards)
+        monkeypatch.setattr(registry, "_loaded", False)
+    with pytest.raises(ConfigError, match=rf"^TCAL_PLUGINS={plugins!r}: .*{message}") as refused:
+        check_plugins()
+    assert "\n" not in str(refused.value)
+
+
+def test_a_failing_plugin_at_the_entry_points_is_one_line_and_exit_code_2(broken_plugins, tmp_path):
+    """At `tcal`'s entry and `tcal-plan`'s: exit code 2, one line naming the plugin, no traceback, nothing written."""
+    plugins, _, message = BROKEN_PLUGINS["raises"]
+    env = {**os.environ, "TCAL_PLUGINS": plugins, "PYTHONPATH": f"{broken_plugins}{os.pathsep}{REPO / 'src'}",
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for command in (["tcal.cli.app", "experiment=smoke", "hydra.run.dir=run"], ["tcal.tools.plan", "teacher=tiny_llama"]):
+        done = subprocess.run([sys.executable, "-m", *command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+        assert re.search(rf"^tcal: configuration error: TCAL_PLUGINS={plugins!r}: .*{message}", lines[0]), lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failing_plugin_leaves_every_registry_as_it_was(broken_plugins, monkeypatch):
+    """A plugin module that registers an option and then fails takes its options away again: asking once more names
+    the same fault, not a name registered twice."""
+    from tcal.registry import INIT_MODES, POLICIES, PLUGINS_ENV, PluginError, Registry
+
+    (broken_plugins / "half").mkdir(exist_ok=True)
+    (broken_plugins / "half" / "first.py").write_text(
+        "from tcal.registry import POLICIES\nfrom tcal.settings.retention import RetentionSettings\n"
+        "POLICIES.option('half_policy', RetentionSettings)(None)\nraise RuntimeError('half way')\n")
+    monkeypatch.syspath_prepend(str(broken_plugins))
+    monkeypatch.setenv(PLUGINS_ENV, "half")
+    before = {registry.kind: dict(registry._options) for registry in (INIT_MODES, POLICIES)}
+    registry = Registry("init mode", "init", ("tcal.init",))
+    for _ in range(2):
+        with pytest.raises(PluginError, match=r"importing half.first raised RuntimeError: half way"):
+            registry.names()
+        assert {r.kind: dict(r._options) for r in (INIT_MODES, POLICIES)} == before
 
 
 def test_no_name_to_class_table_outside_the_registry():

@@ -172,6 +172,38 @@ def test_a_damaged_checkpoint_is_named_and_the_record_keeps_what_it_held(straigh
 
 
 # ----------------------------------------------------------------------------------------------------------
+def test_a_resume_whose_data_changed_is_refused_naming_the_file(tmp_path):
+    """A data.source=files run killed in Stage 2, its training file rewritten: the resume is refused before any work
+    naming the file (here and at the `tcal` entry: one line, exit code 2), the record as it was; the file put back,
+    the same resume completes."""
+    from tcal.data.documents import shakespeare_documents
+
+    text = shakespeare_documents()[0].text
+    docs = tmp_path / "docs.jsonl"
+    original = "".join(json.dumps({"text": text[i * 3000:(i + 1) * 3000]}) + "\n" for i in range(12))
+    docs.write_text(original)
+    data = ("data.source=files", f"data.files=[{docs}]", "data.calibration_docs=2", "data.evaluation_docs=2")
+    cfg = compose(*TINY, *DISTILL, *data, f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}")
+    killed = tmp_path / "killed"
+    with pytest.raises(Kill):
+        run(cfg, killed, callbacks=[KillAt("distill", 3)])
+    docs.write_text(original.replace("the", "a"))
+    record = (killed / "results.json").read_bytes()
+    with pytest.raises(FolderInUse, match=rf"^{killed} holds a run that read other data than this command would: "
+                                          rf"{docs} \(its content\) changed since it started; expected the data it "
+                                          rf"started with \(put it back\), or a new run"):
+        resume(killed)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "tcal.cli.app", f"resume={killed}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and f"{docs} (its content) changed" in lines[0], done.stderr[-2000:]
+    assert (killed / "results.json").read_bytes() == record
+    docs.write_text(original)
+    resume(killed)
+    assert read(killed)["status"] == "complete" and set(read(killed)["inputs"]["files"]) == {str(docs)}
+
+
 # Overrides on resume
 
 
@@ -223,6 +255,56 @@ def test_resume_takes_safe_overrides_and_the_run_s_own_settings(recorded_run):
     expected["paths"] = {**expected["paths"], "cache_dir": "/cache/b"}
     expected["logger"] = {"name": "none", "project": None, "group": None}
     assert resumed.tree() == expected
+
+
+@pytest.mark.parametrize("stage,safe,changing,match", [
+    (DISTILL, ["stage.cache_tokens=false"], ["stage.lr_mixer=1e-5"], r"stage.lr_mixer=1e-05 \(that run: 0.0001\)"),
+    (("stage=align", "stage.batch_size=2", "stage.seq_len=32", "stage.max_tokens=128", "stage.eval_every_tokens=64"),
+     ["stage.cache=false", "stage.cache_tokens=false"], ["stage.lr=0.5"], r"stage.lr=0.5 \(that run: 0.001\)"),
+    (ALIGN_DISTILL, ["stage.align.cache=true", "stage.distill.cache_tokens=false"], ["stage.distill.kl_chunk_size=8"],
+     r"stage.distill.kl_chunk_size=8 \(that run: 256\)"),
+], ids=["distill", "align", "align_distill"])
+def test_a_resume_reads_stage_overrides_against_the_run_s_own_stage(stage, safe, changing, match, tmp_path):
+    """`tcal resume=DIR stage.<key>=...` is read against the run's stage, not the default `stage=none` (which has none
+    of these keys): the settings that change nothing are taken, one that changes the run is refused, naming it."""
+    recorded = compose(*TINY, *stage)
+    (tmp_path / "results.json").write_text(json.dumps(example_record("initialized", config=recorded.tree())))
+    check_arguments([f"resume={tmp_path}", *safe])
+    with pytest.raises(FolderInUse, match=rf"^resume={tmp_path}: the run was started with other settings "
+                                          rf"\({match}\); expected only settings that change nothing"):
+        check_arguments([f"resume={tmp_path}", *changing])
+    with app.hydra_configs():
+        choices = app.run_choices([f"resume={tmp_path}", *safe], app.run_settings(app.compose_here([])))
+        # each group whose settings are of another class than the defaults' (the smoke run's harness and init too)
+        assert choices == ["eval/harness=none", "init=naive", f"stage={recorded.stage.name}"]
+        command = app.run_settings(app.compose_here([*choices, f"resume={tmp_path}", *safe]))
+        resumed = app.resumed(command, app.run_settings(app.compose_here(choices)), [*choices, f"resume={tmp_path}",
+                                                                                     *safe], choices)
+    expected = {**recorded.tree(), "resume": str(tmp_path)}
+    for arg in safe:  # each a switch of a cache, true or false
+        key, value = arg.split("=")
+        *parents, leaf = key.split(".")
+        node = expected
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value == "true"
+    assert resumed.tree() == expected
+
+
+def test_tcal_resume_with_a_stage_setting_is_read_against_the_run(straight):
+    """At the `tcal` entry: a safe stage setting on a complete run's resume says there is nothing to do (exit 0); one
+    that changes the run is one line naming it (exit 2)."""
+    _, runs = straight
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    tcal = [sys.executable, "-m", "tcal.cli.app", f"resume={runs['distill']}"]
+    safe = subprocess.run([*tcal, "stage.cache_tokens=false"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert safe.returncode == 0 and "complete; nothing to do" in safe.stdout, safe.stderr[-2000:]
+    changing = subprocess.run([*tcal, "stage.lr_mixer=1e-5"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=300)
+    lines = changing.stderr.strip().splitlines()
+    assert changing.returncode == 2 and len(lines) == 1, changing.stderr[-2000:]
+    assert "stage.lr_mixer=1e-05 (that run: 0.0001)" in lines[0]
 
 
 def test_a_bare_resume_continues_the_run_as_recorded(tmp_path):

@@ -152,6 +152,63 @@ def test_a_damaged_shard_is_prepared_again(tokenizer, data, whole, tmp_path):
     assert shard_bytes(store.folder) == shard_bytes(whole.folder)
 
 
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["rewritten", "rewritten_with_its_mtime_put_back"])
+def test_a_shard_whose_bytes_change_but_not_its_size_is_prepared_again(keep_mtime, tokenizer, data, whole, tmp_path):
+    """Its seal (sha256 and file identity) finds it, not its size: a store read by a resumed run is the one its
+    documents make, never bytes changed under it."""
+    import os
+    import shutil
+
+    folder = tmp_path / "token_store" / whole.key
+    shutil.copytree(whole.folder, folder)
+    token_store.open_store(load_splits(data).train, tokenizer, tmp_path, data)  # a copy: hashed once, sealed again
+    changed = folder / whole.shards[1].file
+    before = changed.stat()
+    tokens = np.fromfile(changed, dtype=token_store.TOKEN_DTYPE)
+    tokens[:8] = tokens[8:16]  # other tokens, the same size
+    tokens.tofile(changed)
+    if keep_mtime:
+        os.utime(changed, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert changed.stat().st_size == before.st_size
+    store = token_store.open_store(load_splits(data).train, tokenizer, tmp_path, data)
+    assert shard_bytes(store.folder) == shard_bytes(whole.folder)
+    manifest = json.loads((folder / token_store.MANIFEST).read_text())
+    assert [s["sealed"]["sha256"] for s in manifest["shards"]] == [s.sealed["sha256"] for s in whole.shards]
+
+
+def test_a_store_without_seals_is_sealed_once(tokenizer, data, whole, tmp_path):
+    """A store prepared before shards were sealed is trusted by its sizes once, then sealed."""
+    import shutil
+
+    from tcal.store.fingerprint import file_identity
+
+    folder = tmp_path / "token_store" / whole.key
+    shutil.copytree(whole.folder, folder)
+    manifest = json.loads((folder / token_store.MANIFEST).read_text())
+    for shard in manifest["shards"]:
+        del shard["sealed"]
+    (folder / token_store.MANIFEST).write_text(json.dumps(manifest))
+    store = token_store.open_store(load_splits(data).train, tokenizer, tmp_path, data)
+    assert shard_bytes(store.folder) == shard_bytes(whole.folder)
+    sealed = json.loads((folder / token_store.MANIFEST).read_text())["shards"]
+    assert all(s["sealed"]["identity"] == file_identity(folder / s["file"]) for s in sealed)
+
+
+def test_a_local_copy_changed_in_place_makes_another_store(corpus, tokenizer, tmp_path):
+    """A local dataset file whose text changes but not its size (one word for another of the same length) is
+    another source: its store key is another, not the old store's."""
+    copy = tmp_path / corpus.name
+    copy.write_bytes(corpus.read_bytes())
+    data = compose(*local_data(copy)).data
+    first = token_store.store_key(load_splits(data).train, tokenizer, None)
+    text = copy.read_text()
+    word = next(w for w in WORDS if f" {w} " in text and len(w) == 5)
+    other = next(w for w in WORDS if len(w) == 5 and w != word and f" {w} " in text)
+    copy.write_text(text.replace(f" {word} ", f" {other} ", 1))
+    assert copy.stat().st_size == corpus.stat().st_size
+    assert token_store.store_key(load_splits(data).train, tokenizer, None) != first
+
+
 def test_shard_size_and_workers_change_the_files_not_the_tokens(corpus, tokenizer, whole, tmp_path):
     """`data.shard_tokens` and `data.workers` are declared as changing nothing: the tokens are the same."""
     pooled = compose(*local_data(corpus, "data.workers=2", "data.shard_tokens=1000000000")).data

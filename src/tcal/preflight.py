@@ -28,6 +28,7 @@ def check_machine(settings: RunSettings) -> None:
     check_budgets(settings)
     check_teacher(settings.teacher)
     check_data_files(settings)
+    check_resources(settings)
     check_teacher_shape(settings, *configured_shape(settings.teacher))
     if settings.eval.harness.name == "paper":
         from tcal.evaluate.local_tasks import check_paper_tasks_available
@@ -115,6 +116,34 @@ def check_data_files(settings: RunSettings) -> None:
             if not Path(str(path)).expanduser().is_file():
                 raise ConfigError(f"{key}: {str(path)!r} does not exist (or is not a file); expected an existing "
                                   f".txt or .jsonl file")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; the machine's count where there is none)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_resources(settings: RunSettings) -> None:
+    """The processes and devices a run starts are ones this machine has: tokenizing workers (`data.workers`) and CPU
+    ranks (`trainer.devices` with accelerator cpu) at most one per CPU this process may use, GPU ids among the
+    visible GPUs. Beyond that a run would fork them all at once (thousands of processes) or fail in Lightning."""
+    cpus, trainer = usable_cpus(), settings.trainer
+    workers = settings.data.workers
+    if workers is not None and workers > cpus:
+        raise ConfigError(f"data.workers={workers}: more tokenizing processes than the {cpus} CPUs this process may "
+                          f"use; expected at most {cpus}, or null (one per CPU); it changes nothing, a resume may set it")
+    if str(trainer.accelerator) == "cpu" and isinstance(trainer.devices, int) and trainer.devices > cpus:
+        raise ConfigError(f"trainer.devices={trainer.devices} CPU processes with trainer.accelerator=cpu, more than the "
+                          f"{cpus} CPUs this process may use; expected at most {cpus}")
+    ids = trainer.devices if isinstance(trainer.devices, (list, tuple)) else (
+        [int(p) for p in str(trainer.devices).split(",") if p.strip().isdigit()] if isinstance(trainer.devices, str)
+        and "," in trainer.devices else [])
+    gpus = torch.cuda.device_count()
+    if trainer.wants_gpu and any(i >= gpus for i in ids):
+        raise ConfigError(f"trainer.devices={list(ids)}: GPU ids from 0 to {gpus - 1} are visible here; expected ids "
+                          f"among them")
 
 
 def check_teacher(teacher) -> None:

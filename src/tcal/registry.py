@@ -7,6 +7,10 @@ settings class (`- /schema/init/rescale@_here_`). A registry imports every modul
 and those of the packages named in `TCAL_PLUGINS` (comma-separated, importable): a plugin package holds its option
 modules and, beside them, a `conf/` folder of their YAMLs, which composition searches after tcal's own
 (`plugin_conf_dirs`). Nothing else names an option.
+
+A plugin that cannot be used (not importable, a plain module rather than a package, a module that raises, a name
+that is taken) is a `PluginError`: one line naming the plugin and what to do; the registries are left as they were
+before it, and every later ask names it again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 PLUGINS_ENV = "TCAL_PLUGINS"
+
+
+class PluginError(Exception):
+    """A plugin package `TCAL_PLUGINS` names cannot be used; the message names it and what to do, on one line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,24 +54,32 @@ class Registry:
         """Decorator: register the function below as option `name`, its settings of class `settings`."""
         def add(implementation: Callable | None) -> Callable | None:
             if name in self._options:
-                raise ValueError(f"{self.kind} {name!r} registered twice")
+                owner = getattr(self._options[name].implementation, "__module__", None) or "another module"
+                raise ValueError(f"{self.kind} {name!r} is already registered (by {owner}); expected a name of its "
+                                 f"own")
             self._options[name] = Option(name, settings, implementation, dict(defaults))
             return implementation
 
         return add
 
     def load(self) -> None:
-        """Import the modules that register options (once all did: a failed import fails every later ask too)."""
+        """Import the modules that register options (once all did: a failed import fails every later ask too, and
+        a plugin that fails leaves every registry as it was before it)."""
         if self._loaded:
             return
-        for package_name in (*self.packages, *plugin_packages()):
-            try:
-                package = importlib.import_module(package_name)
-            except ModuleNotFoundError as err:
-                raise ModuleNotFoundError(f"{PLUGINS_ENV}: cannot import {package_name!r} ({err}); expected "
-                                          f"importable packages, comma-separated") from None
+        for package_name in self.packages:
+            package = importlib.import_module(package_name)
             for module in pkgutil.iter_modules(package.__path__):
                 importlib.import_module(f"{package_name}.{module.name}")
+        for plugin in plugin_packages():
+            before = [(registry, dict(registry._options)) for registry in (*REGISTRIES, self)]
+            try:
+                for module in pkgutil.iter_modules(plugin_package(plugin).__path__):
+                    import_plugin_module(plugin, f"{plugin}.{module.name}")
+            except PluginError:
+                for registry, options in before:
+                    registry._options = options
+                raise
         self._loaded = True
 
     def names(self) -> list[str]:
@@ -89,11 +105,41 @@ def plugin_packages() -> list[str]:
     return [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
 
 
+def plugin_package(name: str):
+    """The plugin package `name`, imported; PluginError naming it when it is not an importable package."""
+    package = import_plugin_module(name, name)
+    if not hasattr(package, "__path__"):
+        raise PluginError(f"{PLUGINS_ENV}={os.environ.get(PLUGINS_ENV)!r}: {name!r} is a module "
+                          f"({getattr(package, '__file__', None)}), not a package; expected a folder of option "
+                          f"modules (with their YAMLs in its conf/)")
+    return package
+
+
+def import_plugin_module(plugin: str, module: str):
+    """`module` of plugin package `plugin`, imported; PluginError naming both on any failure."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is None or not (plugin == err.name or plugin.startswith(f"{err.name}.")):
+            raise plugin_error(plugin, module, err) from None
+        raise PluginError(f"{PLUGINS_ENV}={os.environ.get(PLUGINS_ENV)!r}: cannot import {plugin!r} (no module named "
+                          f"{err.name!r}); expected packages that import here (on PYTHONPATH), comma-separated, or "
+                          f"remove it from {PLUGINS_ENV}") from None
+    except Exception as err:  # noqa: BLE001 - whatever a plugin raises, it is named, on one line
+        raise plugin_error(plugin, module, err) from None
+
+
+def plugin_error(plugin: str, module: str, err: Exception) -> PluginError:
+    cause = " ".join(str(err).split())[:300]
+    return PluginError(f"{PLUGINS_ENV}={os.environ.get(PLUGINS_ENV)!r}: plugin {plugin!r} fails: importing {module} "
+                       f"raised {type(err).__name__}: {cause}; fix the plugin, or remove it from {PLUGINS_ENV}")
+
+
 def plugin_conf_dirs() -> list[Path]:
     """The `conf/` folder beside each plugin package's modules (its options' YAMLs), where there is one."""
     folders = []
     for name in plugin_packages():
-        for path in importlib.import_module(name).__path__:
+        for path in plugin_package(name).__path__:
             if (Path(path) / "conf").is_dir():
                 folders.append(Path(path) / "conf")
     return folders

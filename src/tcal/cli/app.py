@@ -27,24 +27,23 @@ from tcal.runtime.signals import Interrupted, handling
 from tcal.settings import RunSettings
 from tcal.settings.compose import (
     CONF,
+    check_plugins,
     compose_here,
     group_options,
     hydra_configs,
     one_job_per_group_choice,
+    options_holding,
     parse,
     planned_jobs,
     plugin_search_path,
 )
 from tcal.settings.conversion import run_settings
-from tcal.settings.schemas import register_schemas
 from tcal.store.files import WriteFailed, in_the_way
 from tcal.store.record import RESULTS, RecordError, load_record, read_record
 
 CONF_DIR = str(CONF)
 RUN_FLAGS = ("-m", "--multirun", "-r", "--run")  # flags that leave the overrides as they are
 OUTPUT_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "resume")
-
-register_schemas()  # before Hydra composes: conf/'s options open with these schemas
 
 
 def read_resumed(run_dir: Path) -> dict:
@@ -69,17 +68,44 @@ def recorded_run(run_dir: Path) -> RunSettings:
     return recorded_settings(Path(run_dir), read_resumed(run_dir))
 
 
-def resumed(settings: RunSettings, defaults: RunSettings, overrides: list[str]) -> RunSettings:
-    """The settings of the run `settings.resume` names, continued with this command's safe settings."""
+def resumed(settings: RunSettings, defaults: RunSettings, overrides: list[str],
+            choices: list[str] | tuple[str, ...] = ()) -> RunSettings:
+    """The settings of the run `settings.resume` names, continued with this command's safe settings. `choices`: the
+    run's own options the entry added to the command (`run_choices`), which the command does not set; `defaults`
+    is what they compose alone."""
     from tcal.store.rerun import resumed_settings
 
     run_dir = Path(settings.resume)
-    keys = [parse(arg).key_or_group.lstrip("+") for arg in overrides]
+    keys = [parse(arg).key_or_group.lstrip("+") for arg in overrides if arg not in choices]
     chosen = tuple(key.replace("/", ".") for key in keys if group_options(key) is not None)
     named = tuple(key for key in keys if group_options(key) is None)
     continued = resumed_settings(run_dir, read_resumed(run_dir), settings, defaults, chosen, named)
     continued.resume = str(run_dir)
     return continued
+
+
+RESUME_CHOICES: list[str] = []  # the run's own options `main` adds to a `tcal resume=DIR` command (`run_choices`)
+
+
+def run_choices(args: list[str], defaults: RunSettings) -> list[str]:
+    """For a command with `resume=DIR`: the config-group options whose keys the recorded run's settings hold
+    (`stage=distill` for a run of Stage 2, where the default `stage=none` has no `stage.lr_mixer`), for the groups the
+    command does not choose: the command's overrides are read against the run's own settings, not the defaults'.
+    `defaults`: the settings no override composes. [] without `resume=`, or when DIR holds no record to read (the
+    resume then fails naming why)."""
+    resume = next((parse(a) for a in args if _key(a) == "resume" and not parse(a).is_sweep_override()), None)
+    if resume is None or not isinstance(resume.value(), str):
+        return []
+    try:
+        recorded = recorded_run(Path(resume.value()))
+    except ConfigError:
+        return []
+    chosen = {_key(a) for a in args if group_options(_key(a)) is not None}
+    return [choice for choice in options_holding(recorded, defaults) if choice.split("=", 1)[0] not in chosen]
+
+
+def _key(arg: str) -> str:
+    return parse(arg).key_or_group.lstrip("+~")
 
 
 def earlier_run(settings: RunSettings, run_dir: Path) -> str:
@@ -93,10 +119,11 @@ def run_in(settings: RunSettings, run_dir: Path, ranks=None) -> None:
     """Run `settings` in `run_dir`: skip it when already complete there, continue it when unfinished. The decision
     is taken once, before any rank writes: here, before this process starts the job's ranks (`tcal.cli.rank`), or by
     rank 0 for all when the ranks were started from outside (SLURM)."""
-    from tcal.preflight import check_trainer
+    from tcal.preflight import check_resources, check_trainer
     from tcal.runtime.distributed import launch, starts_ranks
     from tcal.store.rerun import check_not_held, check_student_saved
     check_trainer(settings.trainer)  # before any rank starts: `trainer=gpu` on a machine without CUDA is one line
+    check_resources(settings)  # nor more CPU ranks than CPUs
     starts = ranks is None and starts_ranks(settings.trainer)
     if not starts:
         ranks = ranks or launch(settings.trainer)
@@ -122,7 +149,9 @@ def run_in(settings: RunSettings, run_dir: Path, ranks=None) -> None:
 
 def check_arguments(args: list[str]) -> None:
     """Every job that `args` describe composes into settings (the first job of each combination of config-group
-    choices, a sweep file's included); raises ConfigError with one line otherwise."""
+    choices, a sweep file's included); raises ConfigError with one line otherwise. First, every option is registered
+    (tcal's and the plugins'), with the schemas conf/'s options open with, before Hydra composes anything."""
+    check_plugins()
     if any(a.startswith("-") and a not in RUN_FLAGS for a in args):
         return  # --cfg, --info, -cn ...: Hydra's own modes
     overrides = [a for a in args if a not in RUN_FLAGS]
@@ -141,12 +170,15 @@ def check_arguments(args: list[str]) -> None:
         for job in one_job_per_group_choice(jobs):
             place = job_place(job, overrides)
             try:
-                cfg = compose_here(job)
+                choices = []
+                if any(_key(arg) == "resume" for arg in job):
+                    defaults = defaults or run_settings(compose_here([]))
+                    choices = run_choices(job, defaults)
+                cfg = compose_here([*choices, *job])
                 settings = run_settings(cfg)
                 check_output_folders(settings, overrides)
                 if settings.resume:
-                    defaults = defaults or run_settings(compose_here([]))
-                    resumed(settings, defaults, job)
+                    resumed(settings, run_settings(compose_here(choices)), [*choices, *job], choices)
             except ConfigError as err:
                 raise type(err)(f"{err}{place}") from None
 
@@ -193,11 +225,11 @@ def interrupted_exit(err: Interrupted) -> None:
 # ------------------------------------------------------------------------------------------------ the entry
 
 
-def default_settings() -> RunSettings:
-    """The settings no override composes, in the running Hydra job."""
+def default_settings(choices: list[str] | tuple[str, ...] = ()) -> RunSettings:
+    """The settings `choices` alone compose (none: the defaults), in the running Hydra job."""
     from hydra import compose
 
-    return run_settings(compose(config_name="config"))
+    return run_settings(compose(config_name="config", overrides=list(choices)))
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -209,7 +241,8 @@ def hydra_main(cfg) -> None:
         with sweep_job(cfg, run_dir):
             settings = run_settings(cfg)
             if settings.resume:
-                settings = resumed(settings, default_settings(), list(HydraConfig.get().overrides.task))
+                settings = resumed(settings, default_settings(RESUME_CHOICES), list(HydraConfig.get().overrides.task),
+                                   RESUME_CHOICES)
             run_in(settings, run_dir)
     except ConfigError as err:
         config_error_exit(err)
@@ -222,11 +255,17 @@ def hydra_main(cfg) -> None:
 
 def main() -> None:
     """The `tcal` console script."""
+    args = sys.argv[1:]
     try:
-        check_arguments(sys.argv[1:])
+        check_arguments(args)
+        overrides = [a for a in args if not a.startswith("-")]
+        if overrides == args and any(_key(a) == "resume" for a in args):  # one run (a sweep reads no run's options)
+            with hydra_configs():
+                RESUME_CHOICES[:] = run_choices(args, run_settings(compose_here([])))
     except ConfigError as err:
         config_error_exit(err)
-    sys.argv += plugin_search_path()  # the plugin packages' options (TCAL_PLUGINS), as `compose` finds them
+    # the run's own options before the command's (a resume), the plugin packages' options (TCAL_PLUGINS) after
+    sys.argv[1:] = [*RESUME_CHOICES, *args, *plugin_search_path()]
     try:
         with handling():
             hydra_main()

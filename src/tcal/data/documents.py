@@ -18,6 +18,7 @@ The training split is tokenized once into the token store (`tcal.data.token_stor
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -32,7 +33,7 @@ import torch
 from tcal.errors import ConfigError, DataError, HubUnavailable
 from tcal.settings.data import DataSettings, HubDataSettings
 from tcal.store.cache import get_or_build, tensor_codec
-from tcal.store.fingerprint import digest, tokenizer_digest
+from tcal.store.fingerprint import digest, file_digest, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +193,12 @@ class StreamedDocuments:
         return self.from_document(0)
 
     def describe(self) -> dict:
-        """What decides these documents (a token store's key holds it): the source's settings, local files' sizes."""
+        """What decides these documents (a token store's key holds it): the source's settings, the local files' bytes
+        (their sha256: a local copy changed in place makes another store)."""
         data = self.data
         files = plain_data_files(data.data_files) if data.data_files else None
         return {"dataset": data.dataset, "subset": data.subset, "split": data.split, "text_field": data.text_field,
-                "data_files": files, "file_sizes": local_file_sizes(data.dataset, files),
+                "data_files": files, "file_digests": local_file_digests(data.dataset, files),
                 "max_documents": data.max_documents, "held_out": self.held_out}
 
 
@@ -225,14 +227,15 @@ def check_local_data_files(data: HubDataSettings) -> None:
                               f"files); expected an existing file or a pattern that matches some")
 
 
-def local_file_sizes(dataset: str, files) -> dict[str, int]:
-    """{path: bytes} of the local files a dataset reads (a local folder's files, the data files' matches), so a
-    changed local copy makes another store; hub files are not listed."""
+def local_file_digests(dataset: str, files) -> dict[str, str]:
+    """{path: sha256} of the local files a dataset reads (a local folder's files, the data files' matches), so a
+    local copy changed in place makes another store (each file hashed once per process: about a second a GB); hub
+    files are not listed."""
     paths = sorted({Path(p) for pattern in data_file_patterns(files) for p in local_matches(pattern)})
     folder = Path(dataset).expanduser()
     if folder.is_dir():
         paths += sorted(p for p in folder.rglob("*") if p.is_file())
-    return {str(p): p.stat().st_size for p in paths if p.is_file()}
+    return {str(p): file_digest(p) for p in paths if p.is_file()}
 
 
 SOURCES = {"shakespeare": lambda data: shakespeare_documents(), "files": lambda data: file_documents(data.files),
@@ -278,13 +281,49 @@ def streamed_splits(data: HubDataSettings) -> Splits:
 
 def eval_sets(data: DataSettings, splits: Splits) -> dict[str, list[Document]]:
     """The held-out split under the data's name, plus one set per `eval_files` entry (named by file stem)."""
-    sets = {data.name: splits.evaluation}
+    sets = {data.eval_name(): splits.evaluation}
     for path in data.eval_files or []:
         stem = Path(path).stem
         if stem in sets:
             raise ValueError(f"data.eval_files: eval set name {stem!r} is used twice")
         sets[stem] = file_documents([path])
     return sets
+
+
+def documents_digest(docs) -> str:
+    """Digest of documents' names and text, in order (streamed: no copy of the text is joined)."""
+    h = hashlib.sha256()
+    for doc in docs:
+        for part in (doc.name, doc.text):
+            data = part.encode("utf-8", errors="surrogatepass")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+    return h.hexdigest()[:20]
+
+
+def input_digests(data: DataSettings, splits: Splits) -> dict:
+    """What a run reads, as digests (results.json `inputs`): `files`, each local file it names (`data.files` with
+    source=files, `data.eval_files`) by the sha256 of its bytes; `splits`, the documents of each split (a streamed
+    training split by what decides it: its source's settings and local files' digests). About a second a GB of
+    text, once per run."""
+    named = [*(data.files if data.source == "files" else []), *data.eval_files]
+    train = splits.train
+    return {"files": {str(path): file_digest(Path(str(path)).expanduser()) for path in named},
+            "splits": {"train": digest(train.describe()) if isinstance(train, StreamedDocuments) else
+                       documents_digest(train), "calibration": documents_digest(splits.calibration),
+                       "evaluation": documents_digest(splits.evaluation)}}
+
+
+def changed_inputs(recorded: dict, now: dict, data: DataSettings) -> list[str]:
+    """What differs between two `input_digests`, in words: the files whose bytes changed (or that are gone or new),
+    else the splits whose documents did (a source read from elsewhere than a named file)."""
+    files = [f"{path} (its content)" if path in now["files"] else f"{path} (no longer read)"
+             for path, sha in recorded.get("files", {}).items() if now["files"].get(path) != sha]
+    files += [f"{path} (not read before)" for path in now["files"] if path not in recorded.get("files", {})]
+    if files:
+        return files
+    return [f"the {split} split of data.source={data.source!r}" for split, value in recorded.get("splits", {}).items()
+            if now["splits"].get(split) != value]
 
 
 def tokenize_documents(docs: list[Document], tokenizer) -> torch.Tensor:

@@ -3,8 +3,8 @@ run, rank and sweep job that trains on it.
 
 Layout: `<paths.cache_dir>/token_store/<key>/` holds `shard-00000.bin`, `shard-00001.bin`, ... (raw little-endian
 int32 token ids, each document's tokens followed by the EOS token, as `tokenize_documents` joins them) and
-`manifest.json` (the key, each shard's token count and the documents read through its end, and whether the store is
-complete). The key is a digest of the tokenizer (`tokenizer_digest`) and of what decides the training documents: a
+`manifest.json` (the key, each shard's token count, the documents read through its end and its seal: the sha256 of
+its bytes and its file identity, `tcal.store.fingerprint.seal`; and whether the store is complete). The key is a digest of the tokenizer (`tokenizer_digest`) and of what decides the training documents: a
 streamed source's settings (`StreamedDocuments.describe`), or the names and text of in-memory documents; and of
 `data.max_tokens`. Concatenated, the shards are exactly the first `max_tokens` tokens of the split's token stream.
 
@@ -14,6 +14,11 @@ shard at the first document end past `data.shard_tokens` tokens. Each shard is w
 renamed) and then listed in the manifest (rewritten whole), so a killed preparation keeps its listed shards and the
 next one continues after them: an unlisted or damaged shard is redone. One process prepares a store at a time (a
 lock per key, `tcal.store.cache.key_lock`); the others wait and map the finished files.
+
+Every opening checks each shard against its seal (`tcal.store.fingerprint.unchanged`): a shard whose identity is
+unchanged costs a stat; one whose identity moved (a copied cache, a rewritten file) is hashed again (about 1 GB/s),
+and one whose bytes changed is prepared again from there, never read. A store sealed under another identity is
+sealed again; one written before shards were sealed is trusted by its sizes once and sealed.
 
 Reading maps the shards (`numpy.memmap`): processes share the pages, and a rank's own memory holds the windows it
 reads (and each stage's epoch order, 8 bytes a window: `tcal.training.data.EpochWindows`), not the corpus's tokens.
@@ -39,7 +44,7 @@ from tcal.errors import DataError
 from tcal.runtime.progress import progress
 from tcal.store.cache import key_lock
 from tcal.store.files import write_atomic, write_json_atomic
-from tcal.store.fingerprint import digest, tokenizer_digest
+from tcal.store.fingerprint import digest, file_identity, seal, tokenizer_digest, unchanged
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,7 @@ class Shard:
     file: str
     tokens: int
     documents: int  # training documents read through the end of this shard (all shards so far)
+    sealed: dict | None = None  # {"sha256", "identity"} (`tcal.store.fingerprint.seal`); None in an older manifest
 
 
 class MemoryTokens:
@@ -114,11 +120,14 @@ def open_store(train: list[Document] | StreamedDocuments, tokenizer, cache_dir: 
     folder = Path(cache_dir) / "token_store" / key
     exact = None if isinstance(train, StreamedDocuments) or max_tokens else list(train)
     store = finished_store(folder, key, exact)
-    if store is None:
+    if store is None or not sealed_as_now(store):
         with key_lock(folder):
             store = finished_store(folder, key, exact) or prepare(
                 folder, key, documents_from(train), tokenizer, max_tokens, int(data.shard_tokens),
                 resolve_workers(data.workers), exact)
+            if not sealed_as_now(store):
+                store.shards = [Shard(s.file, s.tokens, s.documents, seal(folder / s.file)) for s in store.shards]
+                write_manifest(folder, key, store.shards, complete=True)
     else:
         log.info("token store: reused %s (%s tokens)", folder, f"{store.num_tokens:,}")
     if store.num_tokens == 0:
@@ -167,16 +176,27 @@ def read_manifest(folder: Path, key: str) -> dict | None:
 
 
 def intact_shards(folder: Path, manifest: dict) -> list[Shard]:
-    """The manifest's shards up to the first whose file is missing or of the wrong size."""
+    """The manifest's shards up to the first whose file is missing, of the wrong size, or holds other bytes than
+    its seal (module doc)."""
     shards = []
     for entry in manifest.get("shards", []):
-        shard = Shard(str(entry["file"]), int(entry["tokens"]), int(entry["documents"]))
+        shard = Shard(str(entry["file"]), int(entry["tokens"]), int(entry["documents"]), entry.get("sealed"))
         path = folder / shard.file
         if not path.is_file() or path.stat().st_size != shard.tokens * TOKEN_DTYPE.itemsize:
             log.warning("token store %s: shard %s is missing or damaged; it is prepared again", folder, shard.file)
             break
+        if shard.sealed is not None and not unchanged(path, shard.sealed):
+            log.warning("token store %s: shard %s holds other bytes than when it was written (sha256 %s); it is "
+                        "prepared again", folder, shard.file, shard.sealed["sha256"][:12])
+            break
         shards.append(shard)
     return shards
+
+
+def sealed_as_now(store: TokenStore) -> bool:
+    """Whether every shard of `store` carries a seal of its file's identity now (else it is sealed again)."""
+    return all(s.sealed is not None and list(s.sealed["identity"]) == file_identity(store.folder / s.file)
+               for s in store.shards)
 
 
 def finished_store(folder: Path, key: str, documents: list[Document] | None) -> TokenStore | None:
@@ -193,11 +213,12 @@ def write_manifest(folder: Path, key: str, shards: list[Shard], complete: bool) 
     write_json_atomic(folder / MANIFEST, {
         "key": key, "version": STORE_VERSION, "dtype": TOKEN_DTYPE.str, "complete": complete,
         "tokens": sum(s.tokens for s in shards), "documents": shards[-1].documents if shards else 0,
-        "shards": [{"file": s.file, "tokens": s.tokens, "documents": s.documents} for s in shards]})
+        "shards": [{"file": s.file, "tokens": s.tokens, "documents": s.documents, "sealed": s.sealed}
+                   for s in shards]})
 
 
-def write_shard(folder: Path, index: int, pieces: list[np.ndarray]) -> str:
-    """Shard `index` written whole (temporary file, fsync, rename); returns its file name."""
+def write_shard(folder: Path, index: int, pieces: list[np.ndarray]) -> tuple[str, dict]:
+    """Shard `index` written whole (temporary file, fsync, rename); returns its file name and seal."""
     name = f"shard-{index:05d}.bin"
     tokens = np.concatenate(pieces).astype(TOKEN_DTYPE, copy=False)
 
@@ -208,7 +229,7 @@ def write_shard(folder: Path, index: int, pieces: list[np.ndarray]) -> str:
             os.fsync(handle.fileno())
 
     write_atomic(folder / name, write)
-    return name
+    return name, seal(folder / name)
 
 
 def prepare(folder: Path, key: str, documents: Callable[[int], Iterator[Document]], tokenizer,
@@ -232,13 +253,15 @@ def prepare(folder: Path, key: str, documents: Callable[[int], Iterator[Document
             bar.update(len(ids))
             full = max_tokens is not None and total >= max_tokens
             if pending >= shard_tokens or full and pending:
-                shards.append(Shard(write_shard(folder, len(shards), pieces), pending, read))
+                name, sealed = write_shard(folder, len(shards), pieces)
+                shards.append(Shard(name, pending, read, sealed))
                 write_manifest(folder, key, shards, complete=False)
                 pieces, pending = [], 0
             if full:
                 break
         if pending:
-            shards.append(Shard(write_shard(folder, len(shards), pieces), pending, read))
+            name, sealed = write_shard(folder, len(shards), pieces)
+            shards.append(Shard(name, pending, read, sealed))
     write_manifest(folder, key, shards, complete=True)
     log.info("token store: built %s (%s tokens, %d shards)", folder, f"{total:,}", len(shards))
     return TokenStore(folder, key, shards, exact)

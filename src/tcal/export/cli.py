@@ -3,8 +3,10 @@
     tcal-export outputs/run/ exported/ --format vllm --serve-python .venv-serve/bin/python
 
 SOURCE is a run folder (its student/) or a student folder. DEST is written whole or not at all: a format that cannot
-hold the student exactly is refused in one line (exit 2), an export that does not reproduce the student on the
-fixed prompts is not written (exit 1). What the check measured is in DEST/tcal_export.json.
+hold the student exactly, a damaged SOURCE, or a DEST that is the source, a run's own folders or record, or a
+folder this user cannot write is refused in one line (exit 2); an export that does not reproduce the student on the
+fixed prompts, or a write the filesystem refuses midway, is not written (exit 1). What the check measured is in
+DEST/tcal_export.json.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         record = export(args.source, args.dest, args.fmt, args.tolerance, args.serve_python)
     except ConfigError as err:
         config_error_exit(err, PROGRAM)
-    except ParityFailed as err:
+    except (ParityFailed, OSError) as err:  # OSError: the filesystem refused a write midway (WriteFailed)
         print(f"{PROGRAM}: {err}", file=sys.stderr, flush=True)
         return 1
     print(json.dumps({"dest": str(args.dest), "format": args.fmt, "parity": record["parity"]}))

@@ -22,7 +22,8 @@ import torch
 from tcal.export import FORMATS
 from tcal.export.parity import LOGIT_TOLERANCE, compare, engine_agreement, parity_prompts
 from tcal.export.refusal import ExportRefused, ParityFailed
-from tcal.store.files import check_folder_target, write_folder_atomic
+from tcal.store.files import check_folder_target, check_writable, listed_files, write_folder_atomic
+from tcal.store.record import RESULTS
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ EXPORT_RECORD = "tcal_export.json"  # in every export: format, source, parity (a
 REMOTE_CODE = Path(__file__).parent / "remote" / "modeling_tcal_hybrid.py"
 VLLM_ARCHITECTURE = "TcalHybridForCausalLM"  # the plugin's name in vLLM's model registry (`tcal.serving`)
 VLLM_FAMILIES = ("llama", "qwen2", "qwen3")
+RUN_CONTENTS = ("student", "checkpoints", "logs", ".hydra", RESULTS)  # what a run folder holds of its own
 
 
 def student_folder(source: Path) -> Path:
@@ -42,24 +44,87 @@ def student_folder(source: Path) -> Path:
                         f"with student/)")
 
 
+def check_destination(source: Path, student: Path, dest: Path) -> None:
+    """DEST is none of what an export must leave alone, refused before any work: its source (SOURCE as given and the
+    student folder it reads, a folder inside either or above them), a run folder or what a run holds of its own
+    (`RUN_CONTENTS`: its student, checkpoints, logs, record), or a folder tcal wrote that is not an earlier export
+    (a student `tcal` or `api.save` saved). An earlier export, an empty or a new folder is written."""
+    where = dest.resolve()
+    for kept, what in ((student.resolve(), "the student it exports"), (source.resolve(), "SOURCE")):
+        if where == kept or kept in where.parents or where in kept.parents:
+            relation = "is" if where == kept else "is inside" if kept in where.parents else "holds"
+            raise ExportRefused(f"{dest} {relation} {what} ({kept}): an export never writes into its source; "
+                                f"expected a DEST outside it")
+    for folder in (where, *where.parents):
+        if not (folder / RESULTS).is_file():
+            continue
+        inside = where.relative_to(folder).parts
+        if not inside or inside[0] in RUN_CONTENTS:
+            part = f"the run folder {folder}" if not inside else f"{folder / inside[0]}, a part of the run {folder}"
+            raise ExportRefused(f"{dest} is {part}: an export never writes into a run's student, checkpoints, logs "
+                                f"or record; expected a DEST outside them")
+    listed = listed_files(dest) if dest.is_dir() else None
+    if listed and EXPORT_RECORD not in listed:
+        raise ExportRefused(f"{dest} holds a student tcal saved (no {EXPORT_RECORD}: not an earlier tcal-export); "
+                            f"refusing to replace it: expected a new or empty folder, or an earlier export")
+
+
 def student_config(folder: Path):
     """The student's `HybridConfig`, read without its weights (refusals come before any loading)."""
     import tcal.student.hybrid  # noqa: F401  (registers model_type tcal_hybrid)
     from transformers import AutoConfig
 
-    model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    config_file = folder / "config.json"
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ExportRefused(f"{config_file} cannot be read ({type(err).__name__}: {one_line(err)}); expected the "
+                            f"config.json of a student tcal saved") from None
     if model_type != "tcal_hybrid":
         raise ExportRefused(f"{folder}: model_type {model_type!r} is not a tcal student (expected 'tcal_hybrid')")
-    return AutoConfig.from_pretrained(folder)
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as err:  # noqa: BLE001 - any failure: the file is not a student's config
+        raise ExportRefused(f"{config_file} is not a student's config ({type(err).__name__}: {one_line(err)}); "
+                            f"expected the config.json of a student tcal saved") from None
 
 
 def load_student(folder: Path):
-    """(student in float32 eval mode, tokenizer or None) from a folder tcal wrote."""
+    """(student in float32 eval mode, tokenizer or None) from a folder tcal wrote; ExportRefused naming the file that
+    cannot be read (a damaged or missing model.safetensors, a broken tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    student = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    has_tokenizer = (folder / "tokenizer_config.json").is_file()
-    return student, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
+    try:
+        student = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    except Exception as err:  # noqa: BLE001 - whatever fails, the weights are not a whole student's
+        raise ExportRefused(f"{damaged_weights(folder) or folder}: the student's weights cannot be read "
+                            f"({type(err).__name__}: {one_line(err)}); expected a whole student folder as tcal "
+                            f"saved it (restore it, or save the student again)") from None
+    if not (folder / "tokenizer_config.json").is_file():
+        return student, None
+    try:
+        return student, AutoTokenizer.from_pretrained(folder)
+    except Exception as err:  # noqa: BLE001
+        raise ExportRefused(f"{folder}: the student's tokenizer cannot be read ({type(err).__name__}: "
+                            f"{one_line(err)}); expected the tokenizer files tcal saved beside it") from None
+
+
+def damaged_weights(folder: Path) -> Path | None:
+    """The first weight file of `folder` whose safetensors header cannot be read (None: all can, or none is there)."""
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for key in handle.keys():
+                    handle.get_slice(key)
+        except Exception:  # noqa: BLE001
+            return path
+    return None
+
+
+def one_line(err: BaseException, limit: int = 200) -> str:
+    return " ".join(str(err).split())[:limit]
 
 
 def check_format(config, fmt: str) -> None:
@@ -137,7 +202,9 @@ def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANC
     """Write SOURCE's student into DEST in format `fmt`, or raise ExportRefused / ParityFailed with DEST untouched.
     Returns the record written as DEST/EXPORT_RECORD."""
     folder = student_folder(Path(source))
+    check_destination(Path(source), folder, Path(dest))
     check_folder_target(dest)
+    check_writable(dest)
     check_format(student_config(folder), fmt)
     student, tokenizer = load_student(folder)
     prompts = parity_prompts(tokenizer, student.config.vocab_size)

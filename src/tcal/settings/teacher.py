@@ -20,6 +20,8 @@ from tcal.settings.fields import (
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
+# transformers' attention implementations (a hub kernel, `org/name`, is one too)
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -32,6 +34,13 @@ class TokenizerSettings(Settings):
     path: Optional[str] = setting(None, affects=EVERYTHING)
     package: Optional[str] = setting(None, affects=EVERYTHING)
     gguf_file: Optional[str] = setting(None, affects=EVERYTHING)
+
+    def check(self) -> None:
+        if not (self.path or self.package and self.gguf_file):
+            raise SettingError(Key("path"), f"={self.path!r}, ", Key("package"), f"={self.package!r}, ",
+                               Key("gguf_file"), f"={self.gguf_file!r}; expected a tokenizer folder or hub id (",
+                               Key("path"), ") or a GGUF file of a pip package (", Key("package"), " and ",
+                               Key("gguf_file"), ")")
 
 
 @declared
@@ -59,11 +68,18 @@ class TeacherSettings(Settings):
 
     def __post_init__(self):
         if isinstance(self.tokenizer, dict):
-            self.tokenizer = TokenizerSettings(**self.tokenizer)
+            try:
+                self.tokenizer = TokenizerSettings(**self.tokenizer)
+            except SettingError as err:  # its keys told from here: `tokenizer.path`
+                raise SettingError(*(Key(f"tokenizer.{part}") if isinstance(part, Key) else part
+                                     for part in err.parts)) from None
         super().__post_init__()
 
     def check(self) -> None:
         one_of("dtype", self.dtype, sorted(DTYPES))
+        if self.attn_implementation not in ATTENTION and "/" not in str(self.attn_implementation):
+            raise bad("attn_implementation", self.attn_implementation, f"one of {', '.join(ATTENTION)}, or a hub "
+                                                                       f"kernel (org/name)")
         if not (self.path or self.gguf_file or self.config):
             raise SettingError(f"teacher {self.name!r} names no weights; expected one of ", Key("path"),
                                " (a local model folder or hub id), ", Key("gguf_file"), ", ", Key("config"))

@@ -55,12 +55,15 @@ class TrainerSettings(Settings):
         if str(self.strategy).startswith("deepspeed"):
             raise SettingError(Key("strategy"), f"={self.strategy!r}: DeepSpeed is not supported (its resume and "
                                f"export were never tested; docs/scale.md); expected trainer=fsdp for sharded training")
+
+        one_of("strategy", str(self.strategy), ("auto", "ddp", "fsdp"))  # what tcal runs and resumes (docs/scale.md)
         check_devices(self.devices)
         if self.accelerator == "cpu" and not (is_int(self.devices) and self.devices >= 1):
             raise bad("devices", self.devices, "a number of CPU processes >= 1 with trainer.accelerator=cpu (a list "
                                                "of device ids, -1 and auto name GPUs)")
         positive_int("num_nodes", self.num_nodes)
-        if self.accelerator == "cpu" and str(self.precision) in ("16-mixed", "16"):
+        if self.accelerator == "cpu" and (str(self.precision) in ("16-mixed", "16")
+                                          or str(self.precision).startswith("transformer-engine")):
             raise SettingError(Key("precision"), f"={self.precision!r} is not supported on the CPU; expected "
                                f"32-true, bf16-mixed or bf16-true")
 
@@ -117,3 +120,8 @@ class PathsSettings(Settings):
 
     output_dir: str = setting("outputs", affects=NOTHING)
     cache_dir: str = setting(".cache/tcal", affects=NOTHING)
+
+    def check(self) -> None:
+        for key in ("output_dir", "cache_dir"):
+            if not str(getattr(self, key)).strip():
+                raise bad(key, getattr(self, key), "a folder (an empty path would be the working folder itself)")

@@ -281,6 +281,19 @@ def check_folder_target(folder: str | Path) -> Path:
     return folder
 
 
+def check_writable(folder: str | Path) -> None:
+    """`folder` can be made and written here: a temporary folder is made (and removed) in the nearest existing folder
+    on its way, so a read-only filesystem or a folder this user cannot write is one line before any work
+    (`WriteRefused`), not a failure after it. Nothing is left behind."""
+    folder = Path(folder).absolute()
+    existing = next(part for part in [folder, *folder.parents] if part.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=_temp_prefix(folder), suffix=".tmp"))
+    except OSError as err:
+        raise WriteRefused(f"{folder} cannot be written: {existing} refuses a new folder "
+                           f"({err.strerror or type(err).__name__}); expected a folder this user can write") from None
+
+
 def write_manifest(folder: Path) -> None:
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
                    if p.name != MANIFEST and not (p.is_dir() and not p.is_symlink()))

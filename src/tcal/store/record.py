@@ -194,6 +194,9 @@ FIELDS: dict[str, Field] = {
     "ruler": Field(RULER, None, "RULER: teacher / student -> length -> task -> exact match; n: length -> task -> "
                                 "examples; summary: role -> needle / other / all -> {mean, se, n}"),
     "student_path": Field(TEXT, None, "where the student was exported"),
+    "inputs": Field(shape({"files": dict_of(TEXT), "splits": dict_of(TEXT)}), None,
+                    "digests of what the run read: each named file's bytes, each split's documents (a resume whose "
+                    "inputs differ is refused)"),
     "data": Field(OBJECT, None, "what the stages read of the token store: its distinct tokens, each stage's "
                                 "tokens, region and passes, the run's passes (tcal.training.data.describe_reading)"),
     "wandb": Field(shape({"id": TEXT, "project": nullable(TEXT), "group": nullable(TEXT)}), None,

@@ -100,6 +100,16 @@ def by_option(diffs: list[tuple[str, object, object]], chosen_groups: tuple[str,
         tuple(f"{g}." for g in renamed))]
 
 
+def check_same_inputs(run_dir: Path, changed: list[str]) -> None:
+    """A run continues on the data it started with: `changed` (what differs from its record's `inputs`, in words)
+    refuses it, naming what changed, before any work."""
+    if changed:
+        shown = ", ".join(changed[:SHOWN]) + (f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else "")
+        raise FolderInUse(f"{run_dir} holds a run that read other data than this command would: {shown} changed "
+                          f"since it started; expected the data it started with (put it back), or a new run of the "
+                          f"new data: another hydra.run.dir, without resume=")
+
+
 def checkpoint_progress(path: Path) -> dict:
     """{"step", "tokens_seen"} of a stage checkpoint (read lazily); DamagedCheckpoint naming it when it cannot
     be read. A sharded checkpoint (`trainer=fsdp`) is a folder: its progress is in its `meta.pt`."""

@@ -39,12 +39,14 @@ class TcalHybridConfig(PreTrainedConfig):
     model_type = "tcal_hybrid_hf"  # not tcal's own `tcal_hybrid`: where tcal is installed, this code still loads
     sub_configs = {"teacher_config": AutoConfig}
 
-    def __init__(self, teacher_config=None, layer_types=None, gdn_norm_eps: float = 1e-5, **kwargs):
+    def __init__(self, teacher_config=None, layer_types=None, gdn_norm_eps: float = 1e-5, use_cache: bool = True,
+                 **kwargs):
         if isinstance(teacher_config, dict):
             teacher_config = AutoConfig.for_model(**teacher_config)
         self.teacher_config = teacher_config
         self.layer_types = list(layer_types) if layer_types is not None else None
         self.gdn_norm_eps = gdn_norm_eps
+        self.use_cache = use_cache  # a plain `model(input_ids)` reads it: the base config no longer declares it
         for name in MIRRORED:
             kwargs.pop(name, None)
         kwargs["tie_word_embeddings"] = bool(getattr(teacher_config, "tie_word_embeddings", False))
