@@ -32,6 +32,7 @@ from tcal.settings.schedule import SCHEDULES
 
 GQA_EXPANSIONS = ("whole_head", "row_repeat")  # how a KV head serves its query heads in the GDN (tcal.student.convert)
 PHASES = ("phase1", "phase2")
+FITS = ("batched", "sequential")  # how Phase 2 advances the layers (tcal.init.calibration.batched)
 PHASE1_RULES = ("decay", "write_gate", "value_scale", "output_gate")  # in the order they run (tcal.init.calibration.phase1)
 
 
@@ -101,12 +102,19 @@ class CalibrationSettings(Settings):
     # also report each layer's alignment loss on batch_size - 1 unseen calibration-split windows
     check: bool = setting(True, affects=NOTHING)
     cache: bool = setting(True, affects=NOTHING)  # keep each calibrated layer on disk under paths.cache_dir/calibration
+    # Phase 2 (of phase2, full, full_plus): `batched` fits every layer in one stacked step; `sequential` one layer
+    # after another, the reference the batched fit is tested against (the same fits up to float rounding)
+    fit: str = setting("batched", affects=[INIT])
+    # layers per batched fit: all on a GPU, one on a CPU by default (where stacking measured slower); the same weights
+    layers_per_fit: Optional[int] = setting(None, affects=NOTHING)
     phase1: Phase1Settings = setting(affects=[INIT], factory=Phase1Settings)
     phase2: Phase2Settings = setting(affects=[INIT], factory=Phase2Settings)
 
     def check_fields(self) -> None:
         positive_int("batch_size", self.batch_size)
         positive_int("block_size", self.block_size)
+        one_of("fit", self.fit, FITS)
+        optional_positive_int("layers_per_fit", self.layers_per_fit)
         window_length("seq_len", self.seq_len)
 
     def __post_init__(self):  # `check` is a field here: the checks run under another name
