@@ -105,8 +105,9 @@ class CalibrationSettings(Settings):
     # Phase 2 (of phase2, full, full_plus): `batched` fits every layer in one stacked step; `sequential` one layer
     # after another, the reference the batched fit is tested against (the same fits up to float rounding)
     fit: str = setting("batched", affects=[INIT])
-    # layers per batched fit: all on a GPU, one on a CPU by default (where stacking measured slower); the same weights
-    layers_per_fit: Optional[int] = setting(None, affects=NOTHING)
+    # layers per batched fit: all on a GPU, one on a CPU by default (where stacking measured slower); the same fits
+    # up to float rounding
+    layers_per_fit: Optional[int] = setting(None, affects=[INIT])
     phase1: Phase1Settings = setting(affects=[INIT], factory=Phase1Settings)
     phase2: Phase2Settings = setting(affects=[INIT], factory=Phase2Settings)
 
