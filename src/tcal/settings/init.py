@@ -175,7 +175,7 @@ class CalibratedInitSettings(InitSettings):
         windows = int(calibration.batch_size)
         check = windows - 1 if calibration.check and windows > 1 else 0
         return CalibrationWork(int(calibration.seq_len), windows + check, windows, windows, windows,
-                               "phase2" in self.phases, n_gdn)
+                               "phase2" in self.phases, n_gdn, n_gdn)
 
     def split_needs(self, calibration: CalibrationSettings) -> list[tuple[str, int]]:
         work = self.calibration_work(calibration, 1)
@@ -278,7 +278,8 @@ class FullPlusSettings(InitSettings):
         """The pool (`pool.tokens` in windows of `calibration.seq_len`) and minibatches of `phase2.batch_size`."""
         windows = pool_windows(int(self.pool.tokens), int(calibration.seq_len))
         return CalibrationWork(int(calibration.seq_len), windows, windows - windows // int(self.pool.held_out_every),
-                               windows, int(self.phase2.batch_size), True, int(self.pool.layers_per_pass or n_gdn))
+                               windows, int(self.phase2.batch_size), True, int(self.pool.layers_per_pass or n_gdn),
+                               n_gdn)
 
     def split_needs(self, calibration: CalibrationSettings) -> list[tuple[str, int]]:
         return [(f"init.pool.tokens={self.pool.tokens} (windows of calibration.seq_len={calibration.seq_len})",
@@ -312,7 +313,8 @@ class FullPlusSettings(InitSettings):
 @dataclass(frozen=True)
 class CalibrationWork:
     """The windows an init mode calibrates on: those of the statistics (host memory), of its teacher forward, of its
-    Phase 2 tensors on the device and of one Phase 2 step; and how many layers' statistics are held at once."""
+    Phase 2 tensors on the device and of one Phase 2 step; how many layers' statistics are held at once; and how many
+    layers it converts."""
 
     seq_len: int
     stats_windows: int
@@ -321,6 +323,7 @@ class CalibrationWork:
     step_windows: int
     phase2: bool
     layers_at_once: int
+    layers: int
 
 
 def pool_windows(tokens: int, seq_len: int) -> int:
