@@ -7,6 +7,9 @@ Checks, each a line with `"ok": true|false` (the exit code is 1 when any is fals
   Qwen2.5-1.5B widths, forward and gradients, bfloat16 and float32;
 - `zero_shot_full`: SmolLM2 `init=full` on the GPU (calibration, evaluation): wall time, and the student's
   perplexity against the CPU run's figure (within 1%);
+- `calibration_batched`: SmolLM2 `init=full` with Phase 2 one layer after another and batched: the init's
+  seconds of each (target: batched <= 20 s on an H100/H200), the student's perplexity, and each layer's loss after
+  Phase 2 (within 1%);
 - `stage2_throughput`: 50 Stage 2 steps at 8 x 2048 tokens in bf16-mixed: tokens/s, peak memory, and the first
   step's loss against the same step in float32 on the CPU;
 - `decode`: time per generated token at 4k, 16k and 32k tokens of context, student (ratio 0.5) against teacher;
@@ -119,6 +122,28 @@ def check_zero_shot() -> None:
          cpu_student_ppl=CPU_FULL_STUDENT_PPL, teacher_ppl=results["metrics"]["shakespeare"]["teacher_ppl"],
          init_s=results["timings"]["init"], evaluate_s=results["timings"]["evaluate"],
          kernel_path=results["kernel_path"])
+
+
+def check_calibration() -> None:
+    """SmolLM2 `init=full` on the GPU with Phase 2 one layer after another and batched (every layer in one stack):
+    each run's init seconds (target: batched <= 20 s on an H100/H200) and student perplexity, and each layer's
+    Phase 2 loss after, batched against one by one (within 1%: GPU rounding, amplified by 300 Adam steps)."""
+    from tcal.pipeline import run
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fit in ("sequential", "batched"):
+            cfg = compose_cfg("init=full", "trainer=gpu", "eval/harness=none", "save_student=false",
+                              "calibration.cache=false", f"calibration.fit={fit}", f"paths.cache_dir={tmp}/cache")
+            results[fit] = run(cfg, Path(tmp) / fit)
+    layers = {fit: r["calibration"]["layers"] for fit, r in results.items()}
+    gap = max(abs(layers["batched"][i]["phase2"]["loss_after"] / layers["sequential"][i]["phase2"]["loss_after"] - 1)
+              for i in layers["sequential"])
+    seconds = {fit: r["timings"]["init"] for fit, r in results.items()}
+    emit("calibration_batched", seconds["batched"] <= 20 and gap < 0.01, init_s=seconds,
+         batched_over_sequential=seconds["batched"] / seconds["sequential"], loss_after_max_relative_gap=gap,
+         student_ppl={fit: r["metrics"]["shakespeare"]["student_ppl"] for fit, r in results.items()},
+         target_init_s=20)
 
 
 def smollm2_pair(ratio: float = 0.5):
@@ -402,7 +427,8 @@ def check_fsdp_two() -> None:
          stderr_tail=done.stderr[-300:] if done.returncode else "")
 
 
-CHECKS = {"kernels": check_kernels, "zero_shot": check_zero_shot, "stage2": check_stage2, "decode": check_decode,
+CHECKS = {"kernels": check_kernels, "zero_shot": check_zero_shot, "calibration": check_calibration,
+          "stage2": check_stage2, "decode": check_decode,
           "qwen_width": check_qwen_width, "fsdp": check_fsdp_single, "kill_resume": check_kill_resume,
           "qwen3_8b_slice": check_qwen3_8b_slice, "fsdp_two": check_fsdp_two}
 
