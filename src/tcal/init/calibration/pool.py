@@ -126,11 +126,10 @@ def align_on_pool_together(gdns: list[GatedDeltaNet], fit: tuple, held_out: tupl
     fitting.read(steps)
     fitting.best.settle(held_out_loss(steps), steps)
     stack.write_back()
-    curves = [[step, *pair] for step, mse, cosine in curve for pair in [list(zip(mse.tolist(), cosine.tolist()))]]
-    best_steps = fitting.best.step.tolist()
+    read = [(step, mse.tolist(), cosine.tolist()) for step, mse, cosine in curve]
     records = []
-    for l, best_step in enumerate(best_steps):
-        layer_curve = [[step, pairs[l][0], pairs[l][1]] for step, *pairs in curves]
+    for l, best_step in enumerate(fitting.best.step.tolist()):
+        layer_curve = [[step, mse[l], cosine[l]] for step, mse, cosine in read]
         first, kept = layer_curve[0], next(c for c in layer_curve if c[0] == best_step)
         records.append({"held_out_loss_before": first[1], "held_out_cosine_before": first[2],
                         "held_out_loss_after": kept[1], "held_out_cosine_after": kept[2], "best_step": best_step,
@@ -147,8 +146,8 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
     place); each layer cached under a key of everything it depends on (`settings` must hold every knob).
     The teacher-forced tensors of a pool are large (about 0.1 GB per SmolLM2 layer), so with `layers_per_pass`
     the teacher runs once per group of that many layers and keeps only that group's tensors: more teacher
-    passes, less memory, the same result (a layer's statistics do not depend on which others are recorded, and
-    its batched fit not on which others share it). `fit`: `calibration.fit`, the group's Phase 2 fits batched
+    passes, less memory, the same result (a layer's statistics do not depend on which others are recorded; on a
+    GPU, where a pass's layers share one batched fit, the same up to float rounding). `fit`: `calibration.fit`, the group's Phase 2 fits batched
     (`batched`, `fit_size` = `calibration.layers_per_fit` layers per fit) or one after another (`sequential`)."""
     keys = {i: artifact_key(teacher, i, ["full_plus"], pool.fit, {**settings, "seed": seed}, gdn, pool.held_out)
             for i, gdn in gdns.items()}
