@@ -103,9 +103,10 @@ def layer_groups(layers: list, size: int | None) -> list[list]:
 
 def layers_per_fit(setting: int | None, device: torch.device) -> int | None:
     """How many layers one batched fit stacks: `calibration.layers_per_fit`, or by default every layer on an
-    accelerator and one on a CPU. On a CPU stacking does not pay: a step of 15 stacked SmolLM2 layers took
-    1.1-1.5x the time of 15 single-layer steps (larger tensors out of cache, and allocations above glibc's
-    mmap threshold paying page faults on every step), against the GPU's launches and syncs it saves."""
+    accelerator and one on a CPU. On a CPU stacking does not pay: a step of 15 stacked SmolLM2 layers took 1.5x
+    (one thread) to 1.7x (two) the time of 15 single-layer steps on a shared 2-core machine; its tensors leave the
+    caches, and those above glibc's mmap threshold (32 MB) are mapped and page-faulted anew on every step (5x the
+    page faults; 1.1x the CPU time once glibc kept its memory). On a GPU it saves launches and syncs instead."""
     if setting is not None:
         return int(setting)
     return 1 if torch.device(device).type == "cpu" else None
