@@ -172,10 +172,12 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
         bar = progress(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
         with bar:
             if "phase2" in phases and calibration.fit == "batched":
-                records = calibrate_together({i: gdns[i] for i in todo}, stats, check_stats, calibration, phases, bar,
-                                             check_tokens)
-                for i in todo:
-                    yield i, {**records[i], "cached": False}
+                size = layers_per_fit(calibration.layers_per_fit, gdns[todo[0]].A_log.device)
+                for group in layer_groups(todo, size):
+                    records = calibrate_together({i: gdns[i] for i in group}, stats, check_stats, calibration, phases,
+                                                 bar, check_tokens)
+                    for i in group:
+                        yield i, {**records[i], "cached": False}
                 return
             for i in todo:
                 with float32_master(gdns[i]) as gdn:
@@ -199,23 +201,20 @@ def calibrate_one(gdn: GatedDeltaNet, i: int, layer_stats, check_stats, calibrat
 
 def calibrate_together(layers: dict[int, GatedDeltaNet], stats, check_stats, calibration: CalibrationSettings,
                        phases, bar, check_tokens: int) -> dict[int, dict]:
-    """`calibrate_one` of every layer of `layers` ({index: GDN}, in place), their Phase 2 fits batched
-    (`batched.align_layers`, `calibration.layers_per_fit` layers per fit); their records by index."""
+    """`calibrate_one` of every layer of `layers` ({index: GDN}, in place), their Phase 2 fits as one batched fit
+    (`batched.align_layers`); their records by index."""
     checks = {i: None if check_stats is None else check_stats[i] for i in layers}
     with contextlib.ExitStack() as masters:
         for gdn in layers.values():
             masters.enter_context(float32_master(gdn))
         started = {i: start_record(gdn, stats[i], checks[i], calibration, phases) for i, gdn in layers.items()}
-        fits = {}
-        device = next(iter(layers.values())).A_log.device
-        for group in layer_groups(list(layers), layers_per_fit(calibration.layers_per_fit, device)):
-            x, target = (torch.stack(t) for t in zip(*(teacher_io(layers[i], stats[i]) for i in group)))
-            fits.update(zip(group, align_layers([layers[i] for i in group], x, target, calibration.phase2, bar)))
-            del x, target
+        x, target = (torch.stack(t) for t in zip(*(teacher_io(gdn, stats[i]) for i, gdn in layers.items())))
+        fits = align_layers(list(layers.values()), x, target, calibration.phase2, bar)
+        del x, target
         records = {}
-        for i, gdn in layers.items():
+        for (i, gdn), fit in zip(layers.items(), fits):
             record, before = started[i]
-            record["phase2"] = fits[i]
+            record["phase2"] = fit
             records[i] = finish_record(gdn, i, record, before, checks[i], check_tokens)
     return records
 

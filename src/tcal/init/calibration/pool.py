@@ -160,10 +160,11 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
                 fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
                 held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
                 if fit == "batched":
-                    records = calibrate_group_on_pool({i: gdns[i] for i in group}, fit_stats, held_stats, phase1_rules,
-                                                      phase1, phase2, seed, fit_size, bar)
-                    for i in group:
-                        yield i, {**records[i], "cached": False}
+                    for members in layer_groups(group, layers_per_fit(fit_size, gdns[group[0]].A_log.device)):
+                        records = calibrate_group_on_pool({i: gdns[i] for i in members}, fit_stats, held_stats,
+                                                          phase1_rules, phase1, phase2, seed, bar)
+                        for i in members:
+                            yield i, {**records[i], "cached": False}
                     continue
                 for i in group:
                     with float32_master(gdns[i]) as gdn:
@@ -175,26 +176,23 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
 
 
 def calibrate_group_on_pool(layers: dict[int, GatedDeltaNet], fit_stats: dict, held_stats: dict, phase1_rules,
-                            phase1: Phase1Settings, phase2: PoolPhase2Settings, seed: int, fit_size: int | None,
+                            phase1: Phase1Settings, phase2: PoolPhase2Settings, seed: int,
                             progress: tqdm | None = None) -> dict[int, dict]:
-    """`calibrate_layer_on_pool` of every layer of `layers` ({index: GDN}, in place), their Phase 2 fits batched
-    (`fit_size` layers per fit, `batched.layers_per_fit`); their records by index. Each layer's statistics are
-    dropped from `fit_stats` and `held_stats` once stacked (the stacked pool tensors replace them)."""
+    """`calibrate_layer_on_pool` of every layer of `layers` ({index: GDN}, in place), their Phase 2 fits as one
+    batched fit; their records by index. Each layer's statistics are dropped from `fit_stats` and `held_stats` once
+    stacked (the stacked pool tensors replace them)."""
     with contextlib.ExitStack() as masters:
         for gdn in layers.values():
             masters.enter_context(float32_master(gdn))
         records = {i: {"phase1": apply_phase1(gdn, fit_stats[i], phase1, rules=tuple(phase1_rules))}
                    for i, gdn in layers.items()}
-        device = next(iter(layers.values())).A_log.device
-        for group in layer_groups(list(layers), layers_per_fit(fit_size, device)):
-            members = {i: layers[i] for i in group}
-            fit, held_out = (stacked_io(members, stats) for stats in (fit_stats, held_stats))
-            fits = align_on_pool_together(list(members.values()), fit, held_out, phase2,
-                                          [layer_generator(seed, i) for i in group], progress=progress)
-            del fit, held_out
-            for i, p2 in zip(group, fits):
-                records[i]["phase2"] = p2
-                log_pool_fit(i, p2)
+        fit, held_out = (stacked_io(layers, stats) for stats in (fit_stats, held_stats))
+        fits = align_on_pool_together(list(layers.values()), fit, held_out, phase2,
+                                      [layer_generator(seed, i) for i in layers], progress=progress)
+        del fit, held_out
+        for (i, gdn), p2 in zip(layers.items(), fits):
+            records[i]["phase2"] = p2
+            log_pool_fit(i, p2)
     return records
 
 
