@@ -104,6 +104,10 @@ def main(argv=None) -> None:
                       help="decoding steps timed per model and batch (the figure is their median)")
     long.add_argument("--no-peak-rss", dest="peak_rss", action="store_false",
                       help="skip the peak-RSS processes (each repeats its model's prefill)")
+    init = parser.add_argument_group("init")
+    init.add_argument("--phase2-steps", type=int, default=None,
+                      help="Phase 2 steps of every mode (calibration.phase2.steps, and init.phase2.steps of full_plus); "
+                           "default: each mode's own (300)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
@@ -145,7 +149,7 @@ def main(argv=None) -> None:
         if "phase2" in args.groups:
             bench_phase2_step(teacher, cfg.calibration)
         if "init" in args.groups:
-            bench_init_modes(compose_cfg)
+            bench_init_modes(compose_cfg, phase2_steps=args.phase2_steps)
         keep = uniform_layers(teacher.config.num_hidden_layers, 0.5)
         for group, bench in (("stage2", bench_stage2), ("stage2_plain", partial(bench_stage2, plain=True)),
                              ("stage1", bench_stage1)):
