@@ -6,8 +6,9 @@ Groups: `gdn` (GDN CPU path against fla's naive recurrent reference), `kl_memory
 memory on a 151,936-token head, in chunks of logits), `student` (student against teacher
 at 50% retention: forward, forward+backward, cache bytes, decode time), `stats` (peak memory of the
 streaming statistics at T=4096 against a plain forward), `phase2` (Phase 2 step against one GDN
-forward+backward), `init` (wall time and peak memory of the `phase2`, `full` and `full_plus` inits, uncached,
-and their ratios to `full`), `stage1` / `stage2` (a training step against its parts measured apart, and the
+forward+backward), `init` (wall time and peak memory of the `phase2`, `full` and `full_plus` inits, uncached: Phase 2
+one layer after another (`calibration.fit=sequential`, as before) and batched, the ratio of the two, and each mode's
+ratios to `full`), `stage1` / `stage2` (a training step against its parts measured apart, and the
 process's peak RSS), `stage2_plain` (the same step with full-batch logits and an unchunked KL, for the memory
 comparison), `host_memory` (peak host RSS of building the Qwen2.5-1.5B-architecture student in bfloat16, and of
 hashing it, against its bfloat16 weight bytes; `host_memory_replaced`: the same for the construction it replaced),
@@ -103,6 +104,10 @@ def main(argv=None) -> None:
                       help="decoding steps timed per model and batch (the figure is their median)")
     long.add_argument("--no-peak-rss", dest="peak_rss", action="store_false",
                       help="skip the peak-RSS processes (each repeats its model's prefill)")
+    init = parser.add_argument_group("init")
+    init.add_argument("--phase2-steps", type=int, default=None,
+                      help="Phase 2 steps of every mode (calibration.phase2.steps, and init.phase2.steps of full_plus); "
+                           "default: each mode's own (300)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
@@ -144,7 +149,7 @@ def main(argv=None) -> None:
         if "phase2" in args.groups:
             bench_phase2_step(teacher, cfg.calibration)
         if "init" in args.groups:
-            bench_init_modes(compose_cfg)
+            bench_init_modes(compose_cfg, phase2_steps=args.phase2_steps)
         keep = uniform_layers(teacher.config.num_hidden_layers, 0.5)
         for group, bench in (("stage2", bench_stage2), ("stage2_plain", partial(bench_stage2, plain=True)),
                              ("stage1", bench_stage1)):

@@ -12,6 +12,9 @@ on this stack, the line says why and every check runs on the torch path. Then, i
   Where fla refuses the stack, the forward is still compared and the gradients are skipped, saying why;
 - `zero_shot` (`zero_shot_full`): SmolLM2 `init=full` with a short calibration (`ZERO_SHOT` settings) on the GPU:
   wall time, and the student's perplexity against the CPU figure of the same settings (within 1%);
+- `calibration` (`calibration_batched`): SmolLM2 `init=full` with Phase 2 one layer after another and batched: the
+  init's seconds of each (target: batched <= 20 s on an H100/H200), the student's perplexity, and each layer's loss
+  after Phase 2 (within 1%);
 - `stage2` (`stage2_throughput`): Stage 2 steps at 8 x 2048 tokens in bf16-mixed: tokens/s, MFU (`tcal-plan`'s
   FLOPs per token over the device's peak), peak memory, and the first step's loss against the CPU's in float32;
 - `kill_resume`: a short FSDP run SIGKILLed in a child process after its first checkpoint, then resumed: its curve
@@ -152,6 +155,28 @@ def check_zero_shot() -> None:
          cpu_student_ppl=CPU_ZERO_SHOT_PPL, settings=" ".join(ZERO_SHOT),
          teacher_ppl=results["metrics"]["shakespeare"]["teacher_ppl"], init_s=results["timings"]["init"],
          evaluate_s=results["timings"]["evaluate"], kernel_path=results["kernel_path"])
+
+
+def check_calibration() -> None:
+    """SmolLM2 `init=full` on the GPU with Phase 2 one layer after another and batched (every layer in one stack):
+    each run's init seconds (target: batched <= 20 s on an H100/H200) and student perplexity, and each layer's
+    Phase 2 loss after, batched against one by one (within 1%: GPU rounding, amplified by 300 Adam steps)."""
+    from tcal.pipeline import run
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fit in ("sequential", "batched"):
+            cfg = compose_cfg("init=full", "trainer=gpu", "eval/harness=none", "save_student=false",
+                              "calibration.cache=false", f"calibration.fit={fit}", f"paths.cache_dir={tmp}/cache")
+            results[fit] = run(cfg, Path(tmp) / fit)
+    layers = {fit: r["calibration"]["layers"] for fit, r in results.items()}
+    gap = max(abs(layers["batched"][i]["phase2"]["loss_after"] / layers["sequential"][i]["phase2"]["loss_after"] - 1)
+              for i in layers["sequential"])
+    seconds = {fit: r["timings"]["init"] for fit, r in results.items()}
+    emit("calibration_batched", seconds["batched"] <= 20 and gap < 0.01, init_s=seconds,
+         batched_over_sequential=seconds["batched"] / seconds["sequential"], loss_after_max_relative_gap=gap,
+         student_ppl={fit: r["metrics"]["shakespeare"]["student_ppl"] for fit, r in results.items()},
+         target_init_s=20)
 
 
 def smollm2_pair(ratio: float = 0.5):
@@ -477,7 +502,8 @@ def check_fsdp_two() -> None:
 CHECKS = (("kernels", check_kernels, 45), ("zero_shot", check_zero_shot, 60), ("stage2", check_stage2, 45),
           ("kill_resume", check_kill_resume, 60), ("fsdp", check_fsdp_single, 30),
           ("qwen3_8b_slice", check_qwen3_8b_slice, 45), ("decode", check_decode, 40),
-          ("qwen_width", check_qwen_width, 45), ("fsdp_two", check_fsdp_two, 90))
+          ("qwen_width", check_qwen_width, 45), ("calibration", check_calibration, 200),
+          ("fsdp_two", check_fsdp_two, 90))
 DEADLINE_FACTOR = 3
 DEADLINE: list[float] = []  # perf_counter time at which the running check is stopped
 

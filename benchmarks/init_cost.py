@@ -1,6 +1,6 @@
 """The calibration benchmarks: `stats` (peak memory of the streaming statistics against a plain forward), `phase2`
 (a Phase 2 step against one GDN forward+backward) and `init` (wall time and peak memory of the `phase2`, `full` and
-`full_plus` inits, uncached, and their ratios to `full`)."""
+`full_plus` inits, uncached, Phase 2 one layer after another and batched, and their ratios)."""
 
 from __future__ import annotations
 
@@ -125,13 +125,25 @@ def bench_init(cfg) -> dict:
     return emit("init_wall", **in_fresh_process(measure_init, cfg))
 
 
-def bench_init_modes(compose_cfg, modes=INIT_MODES_BENCHED) -> dict:
-    """`bench_init` for each mode, then each mode's time and peak-memory increase over `full`'s
-    (the budget full_plus is held to: at most 1.5x the time and 2x the memory of full)."""
-    figures = {mode: bench_init(compose_cfg(f"init={mode}")) for mode in modes}
+def bench_init_modes(compose_cfg, modes=INIT_MODES_BENCHED, phase2_steps: int | None = None) -> dict:
+    """Each mode twice in a row, each in a fresh process: Phase 2 one layer after another as before
+    (`calibration.fit=sequential`, the reference) and batched (`calibration.fit=batched`, the default); the time of
+    each and batched / sequential. Then each mode's batched time and peak-memory increase over `full`'s (the budget
+    full_plus is held to: at most 1.5x the time and 2x the memory of full). `phase2_steps`: every mode's Phase 2
+    cut to that many steps (on a loaded machine the whole 300 can take hours; the per-step work is the same)."""
+    figures, fits = {}, {}
+    for mode in modes:
+        steps = [] if phase2_steps is None else [f"calibration.phase2.steps={phase2_steps}"] + (
+            [f"init.phase2.steps={phase2_steps}"] if mode == "full_plus" else [])
+        runs = {fit: bench_init(compose_cfg(f"init={mode}", f"calibration.fit={fit}", *steps))
+                for fit in ("sequential", "batched")}
+        figures[mode] = runs["batched"]
+        fits[mode] = {"sequential_s": runs["sequential"]["seconds"], "batched_s": runs["batched"]["seconds"],
+                      "batched_over_sequential": runs["batched"]["seconds"] / runs["sequential"]["seconds"]}
+    emit("init_batched_over_sequential", modes=fits, threads=torch.get_num_threads(), phase2_steps=phase2_steps,
+         target="batched_over_sequential <= 0.75 on 2 CPU threads")
     base = figures["full"]
     ratios = {mode: {"time_over_full": f["seconds"] / base["seconds"],
                      "peak_increase_over_full": f["peak_increase_bytes"] / max(base["peak_increase_bytes"], 1)}
               for mode, f in figures.items()}
     return emit("init_ratios", modes=ratios, target="full_plus: time <= 1.5x, memory <= 2x full")
-

@@ -31,6 +31,7 @@ def full_plus(gdns, init: FullPlusSettings, ctx) -> dict:
     block_size = int(calibration.block_size)
     records = calibrate_on_pool(ctx.teacher, gdns, pool, init.phase1_rules, phase1, init.phase2,
                                 cache_settings("calibration", ctx.settings), calibration_store(ctx),
-                                int(ctx.settings.seed), block_size, init.pool.layers_per_pass, ctx.ranks)
+                                int(ctx.settings.seed), block_size, init.pool.layers_per_pass, ctx.ranks,
+                                calibration.fit, calibration.layers_per_fit)
     return {"phase1_rules": list(init.phase1_rules), "pool_seq_len": pool.fit.shape[1], "pool_tokens": pool.fit.numel(),
             "held_out_tokens": pool.held_out.numel(), "layers": {str(i): r for i, r in records.items()}}

@@ -32,6 +32,7 @@ from tcal.settings.schedule import SCHEDULES
 
 GQA_EXPANSIONS = ("whole_head", "row_repeat")  # how a KV head serves its query heads in the GDN (tcal.student.convert)
 PHASES = ("phase1", "phase2")
+FITS = ("batched", "sequential")  # how Phase 2 advances the layers (tcal.init.calibration.batched)
 PHASE1_RULES = ("decay", "write_gate", "value_scale", "output_gate")  # in the order they run (tcal.init.calibration.phase1)
 
 
@@ -101,12 +102,20 @@ class CalibrationSettings(Settings):
     # also report each layer's alignment loss on batch_size - 1 unseen calibration-split windows
     check: bool = setting(True, affects=NOTHING)
     cache: bool = setting(True, affects=NOTHING)  # keep each calibrated layer on disk under paths.cache_dir/calibration
+    # Phase 2 (of phase2, full, full_plus): `batched` fits every layer in one stacked step; `sequential` one layer
+    # after another, the reference the batched fit is tested against (the same fits up to float rounding)
+    fit: str = setting("batched", affects=[INIT])
+    # layers per batched fit: all on a GPU, one on a CPU by default (where stacking measured slower); the same fits
+    # up to float rounding
+    layers_per_fit: Optional[int] = setting(None, affects=[INIT])
     phase1: Phase1Settings = setting(affects=[INIT], factory=Phase1Settings)
     phase2: Phase2Settings = setting(affects=[INIT], factory=Phase2Settings)
 
     def check_fields(self) -> None:
         positive_int("batch_size", self.batch_size)
         positive_int("block_size", self.block_size)
+        one_of("fit", self.fit, FITS)
+        optional_positive_int("layers_per_fit", self.layers_per_fit)
         window_length("seq_len", self.seq_len)
 
     def __post_init__(self):  # `check` is a field here: the checks run under another name
@@ -166,7 +175,7 @@ class CalibratedInitSettings(InitSettings):
         windows = int(calibration.batch_size)
         check = windows - 1 if calibration.check and windows > 1 else 0
         return CalibrationWork(int(calibration.seq_len), windows + check, windows, windows, windows,
-                               "phase2" in self.phases, n_gdn)
+                               "phase2" in self.phases, n_gdn, n_gdn)
 
     def split_needs(self, calibration: CalibrationSettings) -> list[tuple[str, int]]:
         work = self.calibration_work(calibration, 1)
@@ -269,7 +278,8 @@ class FullPlusSettings(InitSettings):
         """The pool (`pool.tokens` in windows of `calibration.seq_len`) and minibatches of `phase2.batch_size`."""
         windows = pool_windows(int(self.pool.tokens), int(calibration.seq_len))
         return CalibrationWork(int(calibration.seq_len), windows, windows - windows // int(self.pool.held_out_every),
-                               windows, int(self.phase2.batch_size), True, int(self.pool.layers_per_pass or n_gdn))
+                               windows, int(self.phase2.batch_size), True, int(self.pool.layers_per_pass or n_gdn),
+                               n_gdn)
 
     def split_needs(self, calibration: CalibrationSettings) -> list[tuple[str, int]]:
         return [(f"init.pool.tokens={self.pool.tokens} (windows of calibration.seq_len={calibration.seq_len})",
@@ -303,7 +313,8 @@ class FullPlusSettings(InitSettings):
 @dataclass(frozen=True)
 class CalibrationWork:
     """The windows an init mode calibrates on: those of the statistics (host memory), of its teacher forward, of its
-    Phase 2 tensors on the device and of one Phase 2 step; and how many layers' statistics are held at once."""
+    Phase 2 tensors on the device and of one Phase 2 step; how many layers' statistics are held at once; and how many
+    layers it converts."""
 
     seq_len: int
     stats_windows: int
@@ -312,6 +323,7 @@ class CalibrationWork:
     step_windows: int
     phase2: bool
     layers_at_once: int
+    layers: int
 
 
 def pool_windows(tokens: int, seq_len: int) -> int:

@@ -562,11 +562,23 @@ def stage_memory(kind: str, node, settings, model: Model, world: int, device_typ
                   "teacher_dtype": str(teacher_dtype_name)})
 
 
-def calibration_memory(settings, model: Model, device_type: str) -> StageMemory:
+def fitted_together(calibration, work, device_type: str, world: int) -> int:
+    """How many layers' Phase 2 fits share a device at once: one after another with `calibration.fit=sequential`,
+    else `calibration.layers_per_fit` (by default all on a GPU, one on a CPU) of the layers whose statistics a
+    rank holds together (its share of the converted layers, in groups of `work.layers_at_once`)."""
+    from tcal.init.calibration.batched import layers_per_fit
+
+    if calibration.fit == "sequential":
+        return 1
+    held = min(work.layers_at_once, -(-work.layers // world))
+    return min(layers_per_fit(calibration.layers_per_fit, device_type) or held, held)
+
+
+def calibration_memory(settings, model: Model, device_type: str, world: int = 1) -> StageMemory:
     """Per-device memory of the init: teacher and student in `teacher.dtype`, and the larger of the teacher's
     statistics forward (an estimate: one layer's MLP and residual tensors and the blockwise attention scores) and
-    Phase 2 of one layer (its teacher-forced tensors on the device, the layer trained in float32 with AdamW and a
-    best-state copy, its activations). The statistics are held in host memory (`host_gb`)."""
+    Phase 2 of the layers fitted together (`fitted_together`; each with its teacher-forced tensors on the device,
+    trained in float32 with AdamW and a best-state copy, and its activations). The statistics are held in host memory (`host_gb`)."""
     from tcal.student.convert import meta_student
 
     config = model.teacher_config
@@ -587,14 +599,17 @@ def calibration_memory(settings, model: Model, device_type: str) -> StageMemory:
         mixer, loss = trace_alignment(gdn, work.step_windows, work.seq_len, torch.float32, device_type)
         layer_params = sum(p.numel() for p in gdn.parameters())
         phase2 = (2 * work.device_windows * work.seq_len * model.hidden_size * 4
-                  + layer_params * (4 + 4 + 8 + 4) + mixer + loss)
+                  + layer_params * (4 + 4 + 8 + 4) + mixer + loss) * fitted_together(settings.calibration, work,
+                                                                                      device_type, world)
     memory = StageMemory(weights=model.student_params * teacher_bytes, gradients=0, optimizer=0,
                          teacher=model.teacher_params * teacher_bytes, buffers=0,
                          activations={"none": max(forward, phase2)}, checkpointing="none",
                          settings={"init": settings.init.name, "teacher_dtype": str(settings.teacher.dtype),
                                    "calibration_tokens": work.stats_windows * work.seq_len if work else 0,
                                    "host_gb": round(host / GB, 2)})
-    memory.notes.append("activations: the larger of the teacher's statistics forward and one layer's Phase 2")
+    memory.notes.append(f"activations: the larger of the teacher's statistics forward and Phase 2 of the "
+                        f"{fitted_together(settings.calibration, work, device_type, world) if work else 1} layer(s) fitted "
+                        f"together")
     if settings.retention.planned_keep(model.teacher_config.num_hidden_layers) is None:
         memory.notes.append(f"retention={settings.retention.name} first scores the layers on the real teacher (not "
                             f"planned)")
@@ -878,7 +893,7 @@ def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HE
     trainer = settings.trainer
     device_type = "cpu" if str(trainer.accelerator) == "cpu" else "cuda"
     world = world_size(trainer)
-    stages = {"calibration": calibration_memory(settings, model, device_type)}
+    stages = {"calibration": calibration_memory(settings, model, device_type, world)}
     stages.update({node.kind: stage_memory(node.kind, node, settings, model, world, device_type)
                    for _, node in settings.stage.stages()})
     per_device = {kind: round(stages[kind].peak / GB, 2) if kind in stages else None

@@ -7,6 +7,7 @@ runs of a sweep reuse them instead of calibrating again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 
 from tcal.data.documents import between_windows, token_windows
 from tcal.init.calibration.align import align_layer
+from tcal.init.calibration.batched import align_layers, layer_groups, layers_per_fit
 from tcal.init.calibration.phase1 import apply_phase1
 from tcal.init.calibration.stats import collect_teacher_stats
 from tcal.runtime.distributed import Ranks
@@ -166,12 +168,21 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
         check_stats = None if check is None else collect_teacher_stats(teacher, check, layers=todo,
                                                                         block_size=int(calibration.block_size))
         steps = int(calibration.phase2.steps) if "phase2" in phases else 0
+        check_tokens = 0 if check is None else check.numel()
         bar = progress(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
         with bar:
+            if "phase2" in phases and calibration.fit == "batched":
+                size = layers_per_fit(calibration.layers_per_fit, gdns[todo[0]].A_log.device)
+                for group in layer_groups(todo, size):
+                    records = calibrate_together({i: gdns[i] for i in group}, stats, check_stats, calibration, phases,
+                                                 bar, check_tokens)
+                    for i in group:
+                        yield i, {**records[i], "cached": False}
+                return
             for i in todo:
                 with float32_master(gdns[i]) as gdn:
                     record = calibrate_one(gdn, i, stats[i], None if check_stats is None else check_stats[i],
-                                           calibration, phases, bar, 0 if check is None else check.numel())
+                                           calibration, phases, bar, check_tokens)
                 yield i, {**record, "cached": False}
 
     return calibrate_shared(gdns, keys, store, ranks or Ranks(), calibrate_some)
@@ -180,16 +191,51 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
 def calibrate_one(gdn: GatedDeltaNet, i: int, layer_stats, check_stats, calibration: CalibrationSettings,
                   phases, bar, check_tokens: int) -> dict:
     """One layer's phases (in place); its record."""
+    record, before = start_record(gdn, layer_stats, check_stats, calibration, phases)
+    if "phase2" in phases:
+        record["phase2"] = align_layer(gdn, *teacher_io(gdn, layer_stats), calibration.phase2, progress=bar)
+    else:
+        bar.update(1)
+    return finish_record(gdn, i, record, before, check_stats, check_tokens)
+
+
+def calibrate_together(layers: dict[int, GatedDeltaNet], stats, check_stats, calibration: CalibrationSettings,
+                       phases, bar, check_tokens: int) -> dict[int, dict]:
+    """`calibrate_one` of every layer of `layers` ({index: GDN}, in place), their Phase 2 fits as one batched fit
+    (`batched.align_layers`); their records by index."""
+    checks = {i: None if check_stats is None else check_stats[i] for i in layers}
+    with contextlib.ExitStack() as masters:
+        for gdn in layers.values():
+            masters.enter_context(float32_master(gdn))
+        started = {i: start_record(gdn, stats[i], checks[i], calibration, phases) for i, gdn in layers.items()}
+        x, target = (torch.stack(t) for t in zip(*(teacher_io(gdn, stats[i]) for i, gdn in layers.items())))
+        fits = align_layers(list(layers.values()), x, target, calibration.phase2, bar)
+        del x, target
+        records = {}
+        for (i, gdn), fit in zip(layers.items(), fits):
+            record, before = started[i]
+            record["phase2"] = fit
+            records[i] = finish_record(gdn, i, record, before, checks[i], check_tokens)
+    return records
+
+
+def start_record(gdn: GatedDeltaNet, layer_stats, check_stats, calibration: CalibrationSettings,
+                 phases) -> tuple[dict, dict | None]:
+    """A layer's record before Phase 2: its check metrics before any phase (None without check windows), then
+    Phase 1 (in place) when it is among `phases`."""
     record: dict = {}
     before = check_metrics(gdn, check_stats) if check_stats is not None else None
     if "phase1" in phases:
         record["phase1"] = apply_phase1(gdn, layer_stats, calibration.phase1)
-    if "phase2" in phases:
-        record["phase2"] = align_layer(gdn, *teacher_io(gdn, layer_stats), calibration.phase2, progress=bar)
+    return record, before
+
+
+def finish_record(gdn: GatedDeltaNet, i: int, record: dict, before: dict | None, check_stats,
+                  check_tokens: int) -> dict:
+    """A layer's record after its phases: Phase 2 logged, and the check metrics after, beside those before."""
+    if "phase2" in record:
         log.info("layer %d phase2: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, record["phase2"]["loss_before"],
                  record["phase2"]["loss_after"], record["phase2"]["cosine_before"], record["phase2"]["cosine_after"])
-    else:
-        bar.update(1)
     if before is not None:
         record["check"] = check_record(before, check_metrics(gdn, check_stats), check_tokens)
         log.info("layer %d on %d unseen tokens: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, check_tokens,

@@ -9,6 +9,7 @@ does not pay for that.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Iterator
@@ -17,7 +18,16 @@ import torch
 from tqdm.auto import tqdm
 
 from tcal.data.documents import every_nth, token_windows
+from tcal.errors import Divergence, check_finite
 from tcal.init.calibration.align import BestState, only_trainable, optimizer_step, phase2_optimizer
+from tcal.init.calibration.batched import (
+    LayerStack,
+    StackFit,
+    layer_groups,
+    layers_per_fit,
+    stack_losses,
+    stack_metrics,
+)
 from tcal.init.calibration.calibrate import ArtifactStore, artifact_key, calibrate_shared, float32_master, teacher_io
 from tcal.init.calibration.phase1 import apply_phase1
 from tcal.init.calibration.stats import collect_teacher_stats
@@ -71,12 +81,14 @@ def align_on_pool(gdn: GatedDeltaNet, fit: tuple, held_out: tuple, phase2: PoolP
         held_out_curve.append([step, metrics["mse"], metrics["cosine"]])
         return metrics["mse"]
 
+    tokens = int(phase2.batch_size) * fit[0].shape[1]
     with only_trainable(gdn, trainable):
         for step, windows in enumerate(draws):
             if step % int(phase2.select_every) == 0:
                 best.offer(gdn, held_out_loss(step), step)
             loss = alignment_loss(gdn, fit[0][windows], fit[1][windows])
             losses.append(loss.item())
+            check_finite(losses[-1], lambda value: Divergence.in_phase2(gdn.layer_idx, value, step, tokens))
             optimizer_step(optimizer, trainable, loss, phase2.grad_clip)
             scheduler.step()
             if progress is not None:
@@ -88,21 +100,55 @@ def align_on_pool(gdn: GatedDeltaNet, fit: tuple, held_out: tuple, phase2: PoolP
             "losses": losses}
 
 
-def layer_groups(layers: list[int], size: int | None) -> list[list[int]]:
-    """`layers` in consecutive groups of `size` (one group when size is None)."""
-    size = len(layers) if not size else int(size)
-    return [layers[start:start + size] for start in range(0, len(layers), size)]
+def align_on_pool_together(gdns: list[GatedDeltaNet], fit: tuple, held_out: tuple, phase2: PoolPhase2Settings,
+                            generators: list[torch.Generator], progress: tqdm | None = None) -> list[dict]:
+    """`align_on_pool` of L layers as one batched fit (in place): layer l on fit = (inputs [L, N, T, D], targets)
+    and held_out ([L, M, T, D] each), its minibatches drawn by `generators[l]`, its state chosen by its own
+    held-out loss; their records."""
+    steps, every = int(phase2.steps), int(phase2.select_every)
+    stack = LayerStack(gdns)
+    device = stack.o_proj.device
+    draws = torch.stack([minibatches(fit[0].shape[1], int(phase2.batch_size), steps, g) for g in generators]).to(device)
+    rows = torch.arange(len(stack), device=device)[:, None]
+    factor = lr_factor(phase2.schedule, steps, setting="phase2.schedule")
+    fitting = StackFit(stack, phase2, steps, int(phase2.batch_size) * fit[0].shape[2], factor, progress)
+    curve = []  # (step, [L] MSE, [L] cosine), on the device
+
+    def held_out_loss(step: int) -> torch.Tensor:
+        curve.append((step, *stack_metrics(stack, *held_out)))
+        return curve[-1][1]
+
+    for step in range(steps):
+        if step % every == 0:
+            fitting.best.offer(held_out_loss(step), step)
+        windows = draws[:, step]
+        fitting.step(step, stack_losses(stack, fit[0][rows, windows], fit[1][rows, windows]))
+    fitting.read(steps)
+    fitting.best.settle(held_out_loss(steps), steps)
+    stack.write_back()
+    read = [(step, mse.tolist(), cosine.tolist()) for step, mse, cosine in curve]
+    records = []
+    for l, best_step in enumerate(fitting.best.step.tolist()):
+        layer_curve = [[step, mse[l], cosine[l]] for step, mse, cosine in read]
+        first, kept = layer_curve[0], next(c for c in layer_curve if c[0] == best_step)
+        records.append({"held_out_loss_before": first[1], "held_out_cosine_before": first[2],
+                        "held_out_loss_after": kept[1], "held_out_cosine_after": kept[2], "best_step": best_step,
+                        "held_out_curve": layer_curve, "losses": fitting.layer_losses(l)})
+    return records
 
 
 def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: CalibrationPool, phase1_rules,
                       phase1: Phase1Settings, phase2: PoolPhase2Settings, settings: dict, store: ArtifactStore,
                       seed: int, block_size: int, layers_per_pass: int | None = None,
-                      ranks: Ranks | None = None) -> dict[int, dict]:
+                      ranks: Ranks | None = None, fit: str = "batched",
+                      fit_size: int | None = None) -> dict[int, dict]:
     """Phase 1 rules `phase1_rules` on the fit windows' statistics, then Phase 2 on the pool, per layer (in
     place); each layer cached under a key of everything it depends on (`settings` must hold every knob).
     The teacher-forced tensors of a pool are large (about 0.1 GB per SmolLM2 layer), so with `layers_per_pass`
     the teacher runs once per group of that many layers and keeps only that group's tensors: more teacher
-    passes, less memory, the same result (a layer's statistics do not depend on which others are recorded)."""
+    passes, less memory, the same result (a layer's statistics do not depend on which others are recorded; on a
+    GPU, where a pass's layers share one batched fit, the same up to float rounding). `fit`: `calibration.fit`, the group's Phase 2 fits batched
+    (`batched`, `fit_size` = `calibration.layers_per_fit` layers per fit) or one after another (`sequential`)."""
     keys = {i: artifact_key(teacher, i, ["full_plus"], pool.fit, {**settings, "seed": seed}, gdn, pool.held_out)
             for i, gdn in gdns.items()}
 
@@ -113,6 +159,13 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
             for group in layer_groups(todo, layers_per_pass):
                 fit_stats = collect_teacher_stats(teacher, pool.fit, layers=group, block_size=block_size)
                 held_stats = collect_teacher_stats(teacher, pool.held_out, layers=group, block_size=block_size)
+                if fit == "batched":
+                    for members in layer_groups(group, layers_per_fit(fit_size, gdns[group[0]].A_log.device)):
+                        records = calibrate_group_on_pool({i: gdns[i] for i in members}, fit_stats, held_stats,
+                                                          phase1_rules, phase1, phase2, seed, bar)
+                        for i in members:
+                            yield i, {**records[i], "cached": False}
+                    continue
                 for i in group:
                     with float32_master(gdns[i]) as gdn:
                         record = calibrate_layer_on_pool(gdn, i, fit_stats.pop(i), held_stats.pop(i), phase1_rules,
@@ -122,6 +175,45 @@ def calibrate_on_pool(teacher, gdns: dict[int, GatedDeltaNet], pool: Calibration
     return calibrate_shared(gdns, keys, store, ranks or Ranks(), calibrate_some)
 
 
+def calibrate_group_on_pool(layers: dict[int, GatedDeltaNet], fit_stats: dict, held_stats: dict, phase1_rules,
+                            phase1: Phase1Settings, phase2: PoolPhase2Settings, seed: int,
+                            progress: tqdm | None = None) -> dict[int, dict]:
+    """`calibrate_layer_on_pool` of every layer of `layers` ({index: GDN}, in place), their Phase 2 fits as one
+    batched fit; their records by index. Each layer's statistics are dropped from `fit_stats` and `held_stats` once
+    stacked (the stacked pool tensors replace them)."""
+    with contextlib.ExitStack() as masters:
+        for gdn in layers.values():
+            masters.enter_context(float32_master(gdn))
+        records = {i: {"phase1": apply_phase1(gdn, fit_stats[i], phase1, rules=tuple(phase1_rules))}
+                   for i, gdn in layers.items()}
+        fit, held_out = (stacked_io(layers, stats) for stats in (fit_stats, held_stats))
+        fits = align_on_pool_together(list(layers.values()), fit, held_out, phase2,
+                                      [layer_generator(seed, i) for i in layers], progress=progress)
+        del fit, held_out
+        for (i, gdn), p2 in zip(layers.items(), fits):
+            records[i]["phase2"] = p2
+            log_pool_fit(i, p2)
+    return records
+
+
+def stacked_io(layers: dict[int, GatedDeltaNet], stats: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) [L, N, T, D] of `layers` on their device, each layer's statistics popped from `stats` as
+    they are copied in (so one layer's tensors at a time exist twice)."""
+    first = next(iter(layers.values()))
+    inputs, targets = teacher_io(first, stats[next(iter(layers))])
+    x = inputs.new_empty(len(layers), *inputs.shape)
+    target = targets.new_empty(len(layers), *targets.shape)
+    for l, (i, gdn) in enumerate(layers.items()):
+        x[l], target[l] = teacher_io(gdn, stats.pop(i))
+    return x, target
+
+
+def log_pool_fit(layer: int, p2: dict) -> None:
+    log.info("layer %d full_plus: held-out loss %.4g -> %.4g (step %d), cosine %.3f -> %.3f", layer,
+             p2["held_out_loss_before"], p2["held_out_loss_after"], p2["best_step"],
+             p2["held_out_cosine_before"], p2["held_out_cosine_after"])
+
+
 def calibrate_layer_on_pool(gdn: GatedDeltaNet, layer: int, fit_stats, held_stats, phase1_rules,
                             phase1: Phase1Settings, phase2: PoolPhase2Settings, seed: int,
                             progress: tqdm | None = None) -> dict:
@@ -129,8 +221,5 @@ def calibrate_layer_on_pool(gdn: GatedDeltaNet, layer: int, fit_stats, held_stat
     record = {"phase1": apply_phase1(gdn, fit_stats, phase1, rules=tuple(phase1_rules))}
     record["phase2"] = align_on_pool(gdn, teacher_io(gdn, fit_stats), teacher_io(gdn, held_stats), phase2,
                                      layer_generator(seed, layer), progress=progress)
-    p2 = record["phase2"]
-    log.info("layer %d full_plus: held-out loss %.4g -> %.4g (step %d), cosine %.3f -> %.3f", layer,
-             p2["held_out_loss_before"], p2["held_out_loss_after"], p2["best_step"],
-             p2["held_out_cosine_before"], p2["held_out_cosine_after"])
+    log_pool_fit(layer, record["phase2"])
     return record

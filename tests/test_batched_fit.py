@@ -1,0 +1,264 @@
+"""Phase 2 as one batched fit (`tcal.init.calibration.batched`) against the one-layer-at-a-time reference
+(`calibration.fit=sequential`): the stacked forward is each layer's forward, the clipping is torch's on each layer
+alone, and on a tiny teacher the batched fits of phase2, full and full_plus equal the sequential ones (weights,
+losses, best steps, held-out curves) within float tolerance, bit for bit whichever layers share a stack; a NaN
+loss stops both paths naming the same layer and step, and caches nothing.
+
+Everything is tiny (hidden 64, 2 x 24 tokens, a dozen steps): the file runs in seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import compose, make_teacher
+
+from tcal.errors import Divergence
+from tcal.init.calibration import align as align_module
+from tcal.init.calibration import batched as batched_module
+from tcal.init.calibration import pool as pool_module
+from tcal.init.calibration.align import BestState
+from tcal.init.calibration.batched import LayerBest, LayerStack, clip_each_layer
+from tcal.init.calibration.calibrate import ArtifactStore, calibrate_layers
+from tcal.init.calibration.pool import calibrate_on_pool
+from tcal.student.convert import naive_gdn
+from tcal.student.gdn import GatedDeltaNet
+
+LAYERS = (0, 1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return make_teacher("llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(101, (2, 24), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return SimpleNamespace(fit=torch.randint(101, (6, 16), generator=torch.Generator().manual_seed(0)),
+                           held_out=torch.randint(101, (2, 16), generator=torch.Generator().manual_seed(1)))
+
+
+def calibration_cfg(fit: str, layers_per_fit=None, **phase2):
+    """The shipped calibration settings, Phase 2 short and fast-moving: 12 steps (more than one read of the
+    losses), learning rates that move the layers, and a gradient clip that every step's gradient exceeds, so each
+    layer's own clipping factor shapes its steps."""
+    settings = compose("init=full", "calibration.block_size=16").calibration
+    phase2 = {"steps": 12, "lr_projections": 1e-2, "lr_dynamics": 3e-2, "grad_clip": 0.05, **phase2}
+    return dataclasses.replace(settings, fit=fit, layers_per_fit=layers_per_fit,
+                               phase2=dataclasses.replace(settings.phase2, **phase2))
+
+
+def pool_cfg(**changes):
+    return SimpleNamespace(**{"steps": 12, "batch_size": 2, "select_every": 2, "lr_projections": 1e-2,
+                              "lr_dynamics": 3e-2, "weight_decay": 0.01, "grad_clip": 0.05, "schedule": "cosine",
+                              **changes})
+
+
+def calibrated(teacher, tokens, cfg, phases, check=None):
+    gdns = {i: naive_gdn(teacher, i) for i in LAYERS}
+    return gdns, calibrate_layers(teacher, gdns, tokens, cfg, phases, ArtifactStore(None), check)
+
+
+def on_pool(teacher, pool, phase2, fit: str, fit_size=None, store=None):
+    gdns = {i: naive_gdn(teacher, i) for i in LAYERS}
+    phase1 = compose("teacher=tiny_llama").calibration.phase1
+    records = calibrate_on_pool(teacher, gdns, pool, ["value_scale"], phase1, phase2, {}, store or ArtifactStore(None),
+                                0, block_size=8, fit=fit, fit_size=fit_size)
+    return gdns, records
+
+
+def assert_same_layers(first: dict, second: dict, atol: float) -> None:
+    for i in first:
+        for key, value in first[i].state_dict().items():
+            torch.testing.assert_close(second[i].state_dict()[key], value, rtol=0, atol=atol, msg=f"layer {i} {key}")
+
+
+def assert_close_records(reference, batched, rtol: float = 1e-4) -> None:
+    """Records with the same keys, the same integers (steps, token counts) and floats within `rtol`."""
+    if isinstance(reference, dict):
+        assert reference.keys() == batched.keys()
+        for key in reference:
+            assert_close_records(reference[key], batched[key], rtol)
+    elif isinstance(reference, list):
+        assert len(reference) == len(batched)
+        for a, b in zip(reference, batched):
+            assert_close_records(a, b, rtol)
+    elif isinstance(reference, float):
+        assert batched == pytest.approx(reference, rel=rtol, abs=1e-7)
+    else:
+        assert batched == reference
+
+
+# ------------------------------------------------------------------ the pieces
+
+
+def test_stack_forward_is_each_layers_forward(teacher):
+    gdns = [naive_gdn(teacher, i) for i in LAYERS]
+    x = torch.randn(len(gdns), 2, 24, teacher.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y = LayerStack(gdns).forward(x)
+        for l, gdn in enumerate(gdns):
+            torch.testing.assert_close(y[l], gdn(x[l])[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="GDN layers of one shape"):
+        LayerStack([gdns[0], GatedDeltaNet(teacher.config.hidden_size, 2, 8)])
+
+
+def test_clip_each_layer_is_torch_clip_of_each_layer_alone():
+    """Three layers' gradients at scales 10, 1e-3 and 0.3 against a clip of 1: each is clipped by its own norm
+    (the first scaled down, the second untouched), as `clip_grad_norm_` on that layer's tensors alone."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 5, 4), (3, 2), (3, 7)]
+    scales = torch.tensor([10.0, 1e-3, 0.3])
+    params = []
+    for shape in shapes:
+        p = torch.zeros(shape, requires_grad=True)
+        p.grad = torch.randn(shape, generator=gen) * scales.view(-1, *[1] * (len(shape) - 1))
+        params.append(p)
+    alone = [[p.grad[l].clone().requires_grad_() for p in params] for l in range(3)]
+    for tensors in alone:
+        for t in tensors:
+            t.grad = t.detach().clone()
+        torch.nn.utils.clip_grad_norm_(tensors, 1.0)
+    before = [p.grad.clone() for p in params]
+    clip_each_layer(params, 1.0)
+    for l in range(3):
+        for p, t in zip(params, alone[l]):
+            torch.testing.assert_close(p.grad[l], t.grad, rtol=1e-6, atol=0)
+    assert not torch.allclose(params[0].grad[0], before[0][0])  # clipped
+    assert all(torch.equal(p.grad[1], b[1]) for p, b in zip(params, before))  # under the clip: untouched
+
+
+# ------------------------------------------------------------------ batched against sequential
+
+
+@pytest.mark.parametrize("phases", [("phase2",), ("phase1", "phase2")], ids=["phase2", "full"])
+def test_batched_fit_equals_sequential_fit(teacher, tokens, phases):
+    check = torch.randint(101, (1, 24), generator=torch.Generator().manual_seed(6))
+    reference, reference_records = calibrated(teacher, tokens, calibration_cfg("sequential"), phases, check)
+    together, records = calibrated(teacher, tokens, calibration_cfg("batched", len(LAYERS)), phases, check)
+    assert_same_layers(reference, together, atol=1e-4)
+    assert_close_records(reference_records, records)
+    for i in LAYERS:
+        losses = records[i]["phase2"]["losses"]
+        assert len(losses) == 12 and losses[-1] < losses[0]  # the fit moved every layer
+
+
+def test_layer_best_is_best_state_of_each_layer():
+    """Planted losses for 3 layers over 4 offers and a last one: `LayerBest` keeps for each layer the step and the
+    weights `BestState` keeps for that layer alone (layer 0: step 1; layer 1: its last offer, step 3; layer 2: the
+    settled state; a NaN is never kept)."""
+    losses = torch.tensor([[5.0, 3.0, 4.0], [2.0, 2.5, 3.5], [4.0, 2.4, float("nan")], [3.0, 1.0, 3.2]])
+    last = torch.tensor([2.5, 1.5, 1.0])
+    weights = torch.randn(5, 3, 2, generator=torch.Generator().manual_seed(0))  # the weights at each offer
+    stacked = weights[0].clone()
+    best = LayerBest([stacked])
+    singles = [torch.nn.Linear(2, 1, bias=False) for _ in range(3)]
+    references = [BestState() for _ in range(3)]
+    for step in range(5):
+        stacked.copy_(weights[step])
+        for l, module in enumerate(singles):
+            with torch.no_grad():
+                module.weight.copy_(weights[step, l])
+            if step < 4:
+                references[l].offer(module, losses[step, l].item(), step)
+            else:
+                references[l].settle(module, last[l].item(), step)
+        if step < 4:
+            best.offer(losses[step], step)
+        else:
+            best.settle(last, step)
+    assert best.step.tolist() == [r.step for r in references] == [1, 3, 4]
+    for l, module in enumerate(singles):
+        assert torch.equal(stacked[l], module.weight.detach()[0])
+
+
+def test_best_step_is_chosen_per_layer(teacher, tokens):
+    """A learning rate of 1 makes the losses climb after a few steps: each layer keeps its own lowest-loss state,
+    at the same step on both paths (some layer stops before the last step)."""
+    cfg = dict(steps=8, lr_projections=1.0, lr_dynamics=1.0, grad_clip=1.0)
+    _, reference_records = calibrated(teacher, tokens, calibration_cfg("sequential", **cfg), ("phase2",))
+    together, records = calibrated(teacher, tokens, calibration_cfg("batched", len(LAYERS), **cfg), ("phase2",))
+    best = {i: records[i]["phase2"]["best_step"] for i in LAYERS}
+    assert best == {i: reference_records[i]["phase2"]["best_step"] for i in LAYERS}
+    assert min(best.values()) < 8  # the planted climb happened
+    for i in LAYERS:
+        p2 = records[i]["phase2"]
+        assert p2["loss_after"] <= min(p2["losses"]) * (1 + 1e-6)
+        if best[i] < 8:
+            assert p2["loss_after"] == pytest.approx(p2["losses"][best[i]], rel=1e-5)
+
+
+def test_batched_pool_fit_equals_sequential(teacher, pool):
+    """full_plus: each layer's own minibatches, the cosine schedule, held-out selection every 2 steps."""
+    reference, reference_records = on_pool(teacher, pool, pool_cfg(), "sequential")
+    together, records = on_pool(teacher, pool, pool_cfg(), "batched", fit_size=len(LAYERS))
+    assert_same_layers(reference, together, atol=1e-4)
+    assert_close_records(reference_records, records)
+    curve = records[0]["phase2"]["held_out_curve"]
+    assert [c[0] for c in curve] == [0, 2, 4, 6, 8, 10, 12]
+    assert len({records[i]["phase2"]["best_step"] for i in LAYERS}) > 1  # each layer chose its own
+
+
+def test_which_layers_share_a_stack_changes_only_rounding(teacher, tokens, pool):
+    """`calibration.layers_per_fit`: all four layers in one stack, two stacks of two, or one layer at a time give
+    the same fits up to float rounding (a layer's tensors sit at other offsets of the stacked ones, so SIMD tails
+    round them differently; hence the setting is in the cache key)."""
+    runs = [calibrated(teacher, tokens, calibration_cfg("batched", size), ("phase1", "phase2")) for size in (4, 2, 1)]
+    pools = [on_pool(teacher, pool, pool_cfg(), "batched", fit_size=size) for size in (4, 1)]
+    for (first, first_records), others in ((runs[0], runs[1:]), (pools[0], pools[1:])):
+        for gdns, records in others:
+            assert_same_layers(first, gdns, atol=1e-6)
+            assert_close_records(first_records, records, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ divergence
+
+
+def nan_for_layer(real, layer: int, from_call: int, of_layers):
+    """`real` (a loss function), except that layer `layer`'s loss is NaN from its `from_call`-th call on;
+    `of_layers(args)` names the layers a call computes, in the order of its losses."""
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        losses = real(*args, **kwargs)
+        layers = of_layers(args)
+        if layer in layers:
+            calls["n"] += 1
+            if calls["n"] >= from_call:
+                poison = torch.tensor([float("nan") if i == layer else 0.0 for i in layers], dtype=losses.dtype)
+                return losses + poison.reshape(losses.shape)
+        return losses
+
+    return wrapped
+
+
+@pytest.mark.parametrize("fit", ["batched", "sequential"])
+@pytest.mark.parametrize("mode", ["full", "full_plus"])
+def test_nan_loss_names_the_layer_and_its_first_bad_step(fit, mode, teacher, tokens, pool, tmp_path, monkeypatch):
+    """Layer 2's loss is NaN from its 4th step (step 3) on. The batched fit reads its losses every 10 steps and
+    still names step 3; the other layers (fitted beside it) are not named. Nothing of a failed batched fit is
+    cached; one after another, the layers done before layer 2 (0 and 1) are."""
+    if fit == "batched":
+        module, name = (batched_module if mode == "full" else pool_module), "stack_losses"
+        of_layers = lambda args: [g.layer_idx for g in args[0].gdns]  # noqa: E731
+    else:
+        module, name = (align_module, "alignment_loss") if mode == "full" else (pool_module, "alignment_loss")
+        of_layers = lambda args: [args[0].layer_idx]  # noqa: E731
+    monkeypatch.setattr(module, name, nan_for_layer(getattr(module, name), 2, 4, of_layers))
+    store = ArtifactStore(tmp_path / "cache")
+    tokens_per_step = 2 * 24 if mode == "full" else 2 * 16
+    with pytest.raises(Divergence, match=rf"^phase 2: alignment loss of layer 2 is nan at step 3 "
+                                         rf"\({tokens_per_step} calibration tokens\); stopping$"):
+        if mode == "full":
+            gdns = {i: naive_gdn(teacher, i) for i in LAYERS}
+            calibrate_layers(teacher, gdns, tokens, calibration_cfg(fit, len(LAYERS)), ("phase1", "phase2"), store)
+        else:
+            on_pool(teacher, pool, pool_cfg(), fit, fit_size=len(LAYERS), store=store)
+    assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == (0 if fit == "batched" else 2)
