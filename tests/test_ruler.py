@@ -64,17 +64,22 @@ def test_shapes_of_the_harder_tasks(documents, tokenizer):
 
 
 class ScriptedModel:
-    """Generates `reply(prompt)` after the prompt, like a causal LM's greedy `generate`."""
+    """Generates `reply(prompt)` after each prompt of a (left-padded) batch, like a causal LM's greedy `generate`:
+    every row runs to the longest reply, an ended row padded."""
 
     device = torch.device("cpu")
 
     def __init__(self, tokenizer, reply):
         self.tokenizer, self.reply = tokenizer, reply
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=16, **kwargs):
-        prompt = self.tokenizer.decode(input_ids[0])
-        answer = self.tokenizer(" " + self.reply(prompt) + ".\nmore text", return_tensors="pt")["input_ids"]
-        return torch.cat([input_ids, answer[:, :max_new_tokens]], dim=1)
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=16, pad_token_id=0, **kwargs):
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        prompts = [self.tokenizer.decode(row[keep.bool()]) for row, keep in zip(input_ids, mask)]
+        answers = [self.tokenizer(" " + self.reply(prompt) + ".\nmore text")["input_ids"][:max_new_tokens]
+                   for prompt in prompts]
+        width = max(map(len, answers))
+        new = torch.tensor([answer + [pad_token_id] * (width - len(answer)) for answer in answers])
+        return torch.cat([input_ids, new], dim=1)
 
 
 def test_perfect_copier_scores_one_and_garbage_zero(documents, tokenizer):
@@ -118,46 +123,49 @@ def test_normalization():
     assert normalize_answer("B, A, C") == normalize_answer("A, B, C.")
 
 
-def test_a_run_with_ruler_records_teacher_and_student_and_caches_the_teacher(tmp_path, caplog):
+def test_a_run_with_ruler_records_teacher_and_student_and_caches_the_teacher_per_cell(tmp_path, caplog):
     """`eval/ruler=default` from the command line's config: results.json holds each model's score per length and
-    task; a second run reuses the teacher's figures from the cache."""
+    task; the teacher's score of each (length, task) is cached on its own, so a second run asking for one cell of
+    the first and a new one reuses the first and computes only the second."""
     from conftest import compose, isolated_cache_dir
 
     from tcal.pipeline import run
 
     cache = isolated_cache_dir(tmp_path / "cache")
-    overrides = ["experiment=smoke", "init=naive", "eval/ruler=default", "eval.ruler.lengths=[256]",
-                 "eval.ruler.tasks=[niah_single,niah_multikey]", "eval.ruler.n=2", f"paths.cache_dir={cache}",
-                 f"paths.output_dir={tmp_path / 'outputs'}", "save_student=false"]
+    common = ["experiment=smoke", "init=naive", "eval/ruler=default", "eval.ruler.lengths=[256]", "eval.ruler.n=2",
+              f"paths.cache_dir={cache}", f"paths.output_dir={tmp_path / 'outputs'}", "save_student=false"]
     caplog.set_level("INFO", logger="tcal.store.cache")
-    first = run(compose(*overrides), tmp_path / "first")
+    first = run(compose(*common, "eval.ruler.tasks=[niah_single,niah_multikey]"), tmp_path / "first")
     for role in ("teacher", "student"):
         assert set(first["ruler"][role]) == {"256"}
         assert set(first["ruler"][role]["256"]) == {"niah_single", "niah_multikey"}
         assert all(score in (0.0, 0.5, 1.0) for score in first["ruler"][role]["256"].values())
-    assert any(m.startswith("cache teacher_eval: built ruler-") for m in caplog.messages)
+    assert len([m for m in caplog.messages if m.startswith("cache teacher_eval: built ruler_cell-")]) == 2
     caplog.clear()
-    second = run(compose(*overrides, "seed=1"), tmp_path / "second")
-    assert second["ruler"]["teacher"] == first["ruler"]["teacher"]
-    assert any(m.startswith("cache teacher_eval: reused ruler-") for m in caplog.messages)
+    second = run(compose(*common, "eval.ruler.tasks=[niah_multikey,niah_multivalue]", "seed=1"), tmp_path / "second")
+    assert second["ruler"]["teacher"]["256"]["niah_multikey"] == first["ruler"]["teacher"]["256"]["niah_multikey"]
+    assert set(second["ruler"]["teacher"]["256"]) == {"niah_multikey", "niah_multivalue"}
+    assert len([m for m in caplog.messages if m.startswith("cache teacher_eval: reused ruler_cell-")]) == 1
+    assert len([m for m in caplog.messages if m.startswith("cache teacher_eval: built ruler_cell-")]) == 1
 
 
 def test_ranks_shares_of_the_examples_add_up_to_one_process(documents, tokenizer):
     """RULER over 2 ranks: each generates every 2nd example of each task; their hit counts sum to one process's."""
-    from tcal.evaluate.ruler import ruler_hits
+    from tcal.evaluate.ruler import cell_hits
     from tcal.runtime.distributed import Ranks
 
     def reply(prompt):  # right on some examples, wrong on others: the sums must come from the right ranks
         return solve(prompt) if len(prompt) % 3 else "42"
 
-    kwargs = dict(lengths=(512,), tasks=TASKS, n=5, seed=0, max_new_tokens=64)
+    kwargs = dict(cells=[(512, task) for task in TASKS], n=5, seed=0, max_new_tokens=64)
     model = ScriptedModel(tokenizer, reply)
-    whole = ruler_hits(model, tokenizer, documents, **kwargs)
-    shares = [ruler_hits(model, tokenizer, documents, **kwargs, share=Ranks(rank, 2).share) for rank in (0, 1)]
-    assert {key: [a + b for a, b in zip(shares[0][key], shares[1][key])] for key in whole} == whole
+    whole = dict(cell_hits(model, tokenizer, documents, **kwargs))
+    shares = [dict(cell_hits(model, tokenizer, documents, **kwargs, share=Ranks(rank, 2).share)) for rank in (0, 1)]
+    assert {key: tuple(a + b for a, b in zip(shares[0][key], shares[1][key])) for key in whole} == whole
     assert all(total == 5 for _, total in whole.values()) and [s[(512, TASKS[0])][1] for s in shares] == [3, 2]
     assert 0 < sum(hits for hits, _ in whole.values()) < 5 * len(TASKS)  # a mix of hits and misses
-    scores = score_ruler(model, tokenizer, documents, **kwargs, ranks=Ranks())
+    scores = score_ruler(model, tokenizer, documents, lengths=(512,), tasks=TASKS, n=5, seed=0, max_new_tokens=64,
+                         ranks=Ranks())
     assert scores == {"512": {task: whole[(512, task)][0] / 5 for task in TASKS}}
 
 
@@ -207,3 +215,90 @@ def test_report_prints_each_subtask_with_its_standard_error_and_examples(tmp_pat
     assert "| uniform |" in uniform and "0.50 ± 0.16 (n=10)" in uniform  # n from the old record's config
     assert "| recall |" in recall_row and "| 1 2 |" in recall_row  # the converted layers
     assert "0.50 ± 0.11 (n=20)" in recall_row and "0.25 ± 0.10 (n=20)" in recall_row and "| 12 |" in recall_row
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cells apart, examples in batches
+
+
+def test_a_cell_scores_alike_whichever_cells_are_asked_with_it(documents, tokenizer):
+    """A cell's examples come from its own length, task and seed: alone or after other cells (and whatever the
+    global random state), the same examples and the same score, so a cache entry per cell is sound."""
+    import random
+
+    from tcal.evaluate.ruler import cell_scores
+
+    def reply(prompt):  # right on some examples (an even last character code), wrong on the others
+        answer = solve(prompt)
+        return answer if ord(answer[-1]) % 2 == 0 else "42"
+
+    model, cell = ScriptedModel(tokenizer, reply), (512, "niah_multikey")
+    kwargs = dict(n=6, seed=0, max_new_tokens=64)
+    examples = make_ruler_examples(documents, tokenizer, *cell, kwargs["n"], kwargs["seed"])
+    alone = dict(cell_scores(model, tokenizer, documents, [cell], **kwargs))
+    random.seed(123)
+    among = dict(cell_scores(model, tokenizer, documents, [(384, "niah_single"), cell, (512, "variable_tracking")],
+                             **kwargs))
+    assert make_ruler_examples(documents, tokenizer, *cell, kwargs["n"], kwargs["seed"]) == examples
+    assert among[cell] == alone[cell] and 0 < alone[cell] < 1
+
+
+def test_scripted_replies_that_end_early_are_cut_like_one_by_one(documents, tokenizer):
+    """A row that ends (end-of-text) while others of its batch go on is padded by `generate`; its reply is cut at
+    its end token as when it is generated alone, and each row is cut at its own budget."""
+    from tcal.evaluate.ruler import generated_tokens
+
+    def reply(prompt):
+        return solve(prompt) + ("<|endoftext|>" if len(prompt) % 2 else " and then some more text")
+
+    examples = [ex for length, task in ((384, "niah_single"), (512, "niah_multivalue"))
+                for ex in make_ruler_examples(documents, tokenizer, length, task, 3, seed=0)]
+    model = ScriptedModel(tokenizer, reply)
+    alone = generated_tokens(model, tokenizer, examples, batch_size=1)
+    assert generated_tokens(model, tokenizer, examples, batch_size=4) == alone
+    assert any(r[-1] == tokenizer.eos_token_id for r in alone) and any(r[-1] != tokenizer.eos_token_id for r in alone)
+    assert len({len(tokenizer(" " + ex["answer"])["input_ids"]) for ex in examples}) > 1  # budgets of several lengths
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_batched_replies_equal_one_by_one_on_the_tiny_teachers_and_students(family, documents, tokenizer):
+    """Greedy replies of left-padded batches (prompts of about 250 and 380 tokens in one batch, and a batch of one
+    row; 8 tokens each) are token for token those of each prompt alone, for a tiny teacher of each family and its
+    hybrid student (GDN layers 1 and 3). The end-of-text id is set to a token the model does generate, so some rows
+    end before others of their batch. (That the GDN layers pass their state through the padding is checked on the
+    logits in tests/test_hybrid.py: a reply after a few hundred tokens no longer shows it, the delta rule having
+    overwritten whatever the padding wrote.)"""
+    from conftest import make_teacher
+
+    from tcal.evaluate.ruler import generated_tokens
+    from tcal.student.convert import build_student
+
+    # no padding_idx: the pad id's embedding is an ordinary vector, so only the attention mask keeps it out
+    teacher = make_teacher(family, vocab_size=len(tokenizer), max_position_embeddings=512, pad_token_id=None)
+    student = build_student(teacher, [0, 2])
+    examples = [ex for length in (384, 256) for ex in make_ruler_examples(documents, tokenizer, length, "niah_single",
+                                                                          2, seed=0)]
+    assert len({len(tokenizer(ex["prompt"])["input_ids"]) for ex in examples}) > 1  # the batches are padded
+    for model in (teacher, student):
+        model.generation_config.eos_token_id = generated_tokens(model, tokenizer, examples[:1], 8)[0][2]
+        alone = generated_tokens(model, tokenizer, examples, 8, batch_size=1)
+        assert any(len(reply) < 8 for reply in alone)  # some rows end early
+        assert generated_tokens(model, tokenizer, examples, 8, batch_size=3) == alone, type(model).__name__
+
+
+def test_batched_replies_equal_one_by_one_on_smollm2_s_student(documents):
+    """The same on SmolLM2-135M's student at 50% (naive init, its 15 GDN and 15 softmax layers alternating), three
+    needle prompts of about 120 tokens in a batch of three against each alone, 8 tokens each."""
+    from conftest import compose, repo_cache_dir
+
+    from tcal.evaluate.ruler import generated_tokens
+    from tcal.retention.uniform import uniform_layers
+    from tcal.student.convert import build_student
+    from tcal.teachers.load import load_teacher
+
+    teacher, tokenizer = load_teacher(compose().teacher, repo_cache_dir())
+    student = build_student(teacher, uniform_layers(teacher.config.num_hidden_layers, 0.5))
+    examples = make_ruler_examples(documents, tokenizer, 128, "niah_single", 3, seed=0)
+    assert len({len(tokenizer(ex["prompt"])["input_ids"]) for ex in examples}) > 1  # the batch is padded
+    alone = generated_tokens(student, tokenizer, examples, 8, batch_size=1)
+    assert generated_tokens(student, tokenizer, examples, 8, batch_size=3) == alone

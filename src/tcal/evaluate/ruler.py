@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 import string
+from typing import Iterator
 
 import torch
 
@@ -150,50 +151,100 @@ def normalize_answer(text: str) -> str:
 
 
 def score_ruler(model, tokenizer, documents: list[str], lengths=DEFAULT_LENGTHS, tasks=TASKS, n: int = 20,
-                seed: int = 0, max_new_tokens: int | None = None, desc: str | None = None, ranks=None
-                ) -> dict[str, dict[str, float]]:
-    """Exact-match accuracy of greedy generation: {str(length): {task: score}}.
-
-    Without `max_new_tokens`, each example may generate its answer's token count plus 8. With `desc`, a progress
-    bar counts the examples. With `ranks` (`tcal.runtime.distributed.Ranks`, every rank calling), each rank generates its
-    share of every task's examples and the hit counts are summed over the ranks: every rank gets the scores.
-    """
-    counts = ruler_hits(model, tokenizer, documents, lengths, tasks, n, seed, max_new_tokens, desc,
-                        share=ranks.share if ranks is not None else list)
-    if ranks is not None and ranks.distributed:
-        parts = ranks.merge({ranks.rank: counts})
-        counts = {key: [sum(parts[r][key][i] for r in parts) for i in (0, 1)] for key in counts}
+                seed: int = 0, max_new_tokens: int | None = None, desc: str | None = None, ranks=None,
+                batch_size: int = 1) -> dict[str, dict[str, float]]:
+    """Exact-match accuracy of greedy generation: {str(length): {task: score}} (`cell_scores` over every length and
+    task)."""
+    cells = [(length, task) for length in lengths for task in tasks]
     scores: dict[str, dict[str, float]] = {}
-    for (length, task), (hits, total) in counts.items():
-        scores.setdefault(str(length), {})[task] = hits / total if total else float("nan")
+    for (length, task), score in cell_scores(model, tokenizer, documents, cells, n, seed, max_new_tokens, desc, ranks,
+                                             batch_size):
+        scores.setdefault(str(length), {})[task] = score
     return scores
 
 
-def ruler_hits(model, tokenizer, documents: list[str], lengths, tasks, n: int, seed: int,
-               max_new_tokens: int | None = None, desc: str | None = None, share=list) -> dict[tuple, list[int]]:
-    """{(length, task): [exact matches, examples]} over `share(examples)` of each task (all of them by default)."""
-    device = getattr(model, "device", "cpu")
-    counts: dict[tuple, list[int]] = {}
-    per_task = len(share(list(range(n))))  # this rank's examples of each task
-    with progress(total=len(lengths) * len(tasks) * per_task, desc=desc, disable=desc is None, unit="example") as bar:
-        for length in lengths:
-            for task in tasks:
-                bar.set_postfix_str(f"{task} @ {length}")
-                mine = share(make_ruler_examples(documents, tokenizer, length, task, n, seed))
-                hits = sum(_generate(model, tokenizer, example, device, max_new_tokens)
-                           == normalize_answer(example["answer"]) for example in mine)
-                counts[(length, task)] = [int(hits), len(mine)]
-                bar.update(len(mine))
-    return counts
+def cell_scores(model, tokenizer, documents: list[str], cells, n: int, seed: int, max_new_tokens: int | None = None,
+                desc: str | None = None, ranks=None, batch_size: int = 1) -> Iterator[tuple[tuple[int, str], float]]:
+    """((length, task), exact-match accuracy) of greedy generation over `n` examples, cell by cell as each is scored.
+
+    A cell's examples depend on its own length and task and the seed only (`make_ruler_examples`), so a cell scores
+    alike whichever cells are asked with it. Without `max_new_tokens`, each example may generate its answer's token
+    count plus 8. With `desc`, a progress bar counts the examples. With `ranks` (`tcal.runtime.distributed.Ranks`,
+    every rank calling), each rank generates its share of every cell's examples and the hit counts are summed over
+    the ranks: every rank gets the scores. `batch_size` examples are generated together (`generated_tokens`).
+    """
+    share = ranks.share if ranks is not None else list
+    for cell, (hits, total) in cell_hits(model, tokenizer, documents, cells, n, seed, max_new_tokens, desc, share,
+                                         batch_size):
+        if ranks is not None and ranks.distributed:
+            parts = ranks.merge({ranks.rank: (hits, total)})
+            hits, total = (sum(part[i] for part in parts.values()) for i in (0, 1))
+        yield cell, hits / total if total else float("nan")
+
+
+def cell_hits(model, tokenizer, documents: list[str], cells, n: int, seed: int, max_new_tokens: int | None = None,
+              desc: str | None = None, share=list, batch_size: int = 1
+              ) -> Iterator[tuple[tuple[int, str], tuple[int, int]]]:
+    """((length, task), (exact matches, examples)) over `share(examples)` of each cell, cell by cell."""
+    cells = [(int(length), task) for length, task in cells]
+    per_cell = len(share(list(range(n))))  # this rank's examples of each cell
+    with progress(total=len(cells) * per_cell, desc=desc, disable=desc is None, unit="example") as bar:
+        for length, task in cells:
+            bar.set_postfix_str(f"{task} @ {length}")
+            mine = share(make_ruler_examples(documents, tokenizer, length, task, n, seed))
+            replies = generated_tokens(model, tokenizer, mine, max_new_tokens, batch_size, done=bar.update)
+            hits = sum(normalize_answer(tokenizer.decode(reply, skip_special_tokens=True))
+                       == normalize_answer(example["answer"]) for reply, example in zip(replies, mine))
+            yield (length, task), (int(hits), len(mine))
 
 
 @torch.no_grad()
-def _generate(model, tokenizer, example: dict, device, max_new_tokens: int | None) -> str:
-    enc = tokenizer(example["prompt"], return_tensors="pt").to(device)
-    budget = max_new_tokens or _count(tokenizer, " " + example["answer"]) + 8
+def generated_tokens(model, tokenizer, examples: list[dict], max_new_tokens: int | None = None, batch_size: int = 1,
+                     done=lambda count: None) -> list[list[int]]:
+    """Each example's greedy reply as token ids: at most its budget (`max_new_tokens`, else its answer's token count
+    plus 8), up to and with the first end-of-text token, what `model.generate` gives the prompt alone.
+
+    Prompts are generated `batch_size` at a time, the longest first, left-padded to the batch's longest with an
+    attention mask: `generate` numbers each row's positions from its first token (the mask's cumulative sum), the
+    softmax layers mask the padding out and the student's GDN layers pass their state through it (g = 0, beta = 0),
+    so each row sees what its prompt alone would. A batch runs to its largest budget and each row is cut to its
+    own; a row that has ended is filled with padding, which the cut at its end token drops. The sums inside a
+    batched matmul may run in another order than alone, so a greedy choice between two logits within rounding of
+    each other can differ (tests/test_ruler.py checks the replies equal on the tiny teachers and SmolLM2's student).
+    `done(count)` after each batch.
+    """
+    device = getattr(model, "device", "cpu")
+    prompts = [tokenizer(example["prompt"])["input_ids"] for example in examples]
+    budgets = [max_new_tokens or _count(tokenizer, " " + example["answer"]) + 8 for example in examples]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(**enc, max_new_tokens=budget, do_sample=False, pad_token_id=pad)
-    return normalize_answer(tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    ends = _end_tokens(model, tokenizer)
+    replies: list[list[int]] = [[] for _ in examples]
+    order = sorted(range(len(examples)), key=lambda i: -len(prompts[i]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, i in enumerate(rows):
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             max_new_tokens=max(budgets[i] for i in rows), do_sample=False, pad_token_id=pad)
+        for row, i in enumerate(rows):
+            reply = out[row, width:width + budgets[i]].tolist()
+            stop = next((k + 1 for k, token in enumerate(reply) if token in ends), len(reply))
+            replies[i] = reply[:stop]
+        done(len(rows))
+    return replies
+
+
+def _end_tokens(model, tokenizer) -> set[int]:
+    """The ids that end generation: the model's generation config's end-of-text id(s), else the tokenizer's."""
+    config = getattr(model, "generation_config", None)
+    ends = getattr(config, "eos_token_id", None)
+    if ends is None:
+        ends = tokenizer.eos_token_id
+    return set(ends) if isinstance(ends, (list, tuple)) else {ends}
 
 
 def standard_error(p: float, n: int) -> float:
