@@ -109,8 +109,8 @@ class NeedleRulerSettings(RulerSettings):
     n: int = setting(10, affects=[RULER])
     seed: int = setting(0, affects=[RULER])
     # examples of one length and task generated together (left-padded): the same greedy replies as one by one up to
-    # a near-tie broken by rounding (tcal.evaluate.ruler.generated_tokens), so it is in the scores' key. 4 keeps
-    # SmolLM2's RULER at 4,096 tokens under 2.5 GB of host memory on a CPU; a GPU takes more
+    # a near-tie broken by rounding (tcal.evaluate.ruler.generated_tokens), so it is in the scores' key. At 4 a
+    # process generating SmolLM2's RULER at 4,096 tokens on a CPU peaked at 2.5 GB (4.4 GB at 8); a GPU takes more
     batch_size: int = setting(4, affects=[RULER])
 
     def check(self) -> None:
