@@ -64,22 +64,17 @@ def test_shapes_of_the_harder_tasks(documents, tokenizer):
 
 
 class ScriptedModel:
-    """Generates `reply(prompt)` after each prompt of a (left-padded) batch, like a causal LM's greedy `generate`:
-    every row runs to the longest reply, an ended row padded."""
+    """Generates `reply(prompt)` after the prompt, like a causal LM's greedy `generate`."""
 
     device = torch.device("cpu")
 
     def __init__(self, tokenizer, reply):
         self.tokenizer, self.reply = tokenizer, reply
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=16, pad_token_id=0, **kwargs):
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        prompts = [self.tokenizer.decode(row[keep.bool()]) for row, keep in zip(input_ids, mask)]
-        answers = [self.tokenizer(" " + self.reply(prompt) + ".\nmore text")["input_ids"][:max_new_tokens]
-                   for prompt in prompts]
-        width = max(map(len, answers))
-        new = torch.tensor([answer + [pad_token_id] * (width - len(answer)) for answer in answers])
-        return torch.cat([input_ids, new], dim=1)
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=16, **kwargs):
+        prompt = self.tokenizer.decode(input_ids[0])
+        answer = self.tokenizer(" " + self.reply(prompt) + ".\nmore text", return_tensors="pt")["input_ids"]
+        return torch.cat([input_ids, answer[:, :max_new_tokens]], dim=1)
 
 
 def test_perfect_copier_scores_one_and_garbage_zero(documents, tokenizer):
@@ -243,21 +238,21 @@ def test_a_cell_scores_alike_whichever_cells_are_asked_with_it(documents, tokeni
     assert among[cell] == alone[cell] and 0 < alone[cell] < 1
 
 
-def test_scripted_replies_that_end_early_are_cut_like_one_by_one(documents, tokenizer):
-    """A row that ends (end-of-text) while others of its batch go on is padded by `generate`; its reply is cut at
-    its end token as when it is generated alone, and each row is cut at its own budget."""
+def test_each_row_of_a_batch_is_cut_at_its_own_budget(documents, tokenizer):
+    """A batch of a short answer's prompt (its budget 8 tokens past the answer's) and a long one's (four numbers)
+    runs to the longer budget; each reply is cut to its own, as alone."""
+    from conftest import make_teacher
+
     from tcal.evaluate.ruler import generated_tokens
+    from tcal.student.convert import build_student
 
-    def reply(prompt):
-        return solve(prompt) + ("<|endoftext|>" if len(prompt) % 2 else " and then some more text")
-
-    examples = [ex for length, task in ((384, "niah_single"), (512, "niah_multivalue"))
-                for ex in make_ruler_examples(documents, tokenizer, length, task, 3, seed=0)]
-    model = ScriptedModel(tokenizer, reply)
-    alone = generated_tokens(model, tokenizer, examples, batch_size=1)
-    assert generated_tokens(model, tokenizer, examples, batch_size=4) == alone
-    assert any(r[-1] == tokenizer.eos_token_id for r in alone) and any(r[-1] != tokenizer.eos_token_id for r in alone)
-    assert len({len(tokenizer(" " + ex["answer"])["input_ids"]) for ex in examples}) > 1  # budgets of several lengths
+    student = build_student(make_teacher("llama", vocab_size=len(tokenizer), max_position_embeddings=1024), [0, 2])
+    examples = [*make_ruler_examples(documents, tokenizer, 384, "niah_single", 1, seed=0),
+                *make_ruler_examples(documents, tokenizer, 512, "niah_multivalue", 1, seed=0)]
+    alone = generated_tokens(student, tokenizer, examples, batch_size=1)
+    assert generated_tokens(student, tokenizer, examples, batch_size=2) == alone
+    budgets = [len(tokenizer(" " + ex["answer"])["input_ids"]) + 8 for ex in examples]
+    assert [len(reply) for reply in alone] == budgets and budgets[0] < budgets[1]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -302,3 +297,19 @@ def test_batched_replies_equal_one_by_one_on_smollm2_s_student(documents):
     assert len({len(tokenizer(ex["prompt"])["input_ids"]) for ex in examples}) > 1  # the batch is padded
     alone = generated_tokens(student, tokenizer, examples, 8, batch_size=1)
     assert generated_tokens(student, tokenizer, examples, 8, batch_size=3) == alone
+
+
+def test_a_cache_that_does_not_stack_generates_one_by_one_and_says_so(documents, tokenizer, caplog):
+    """A sliding-window teacher's cache layers keep a count besides their keys: they are not padded with zeros, the
+    examples are generated one by one with a warning naming the layer, and the replies are those of one by one."""
+    from conftest import make_teacher
+
+    from tcal.evaluate.ruler import generated_tokens
+
+    teacher = make_teacher("qwen2", vocab_size=len(tokenizer), max_position_embeddings=512, use_sliding_window=True,
+                           sliding_window=64, max_window_layers=0)
+    examples = make_ruler_examples(documents, tokenizer, 384, "niah_single", 3, seed=0)
+    alone = generated_tokens(teacher, tokenizer, examples, 4, batch_size=1)
+    caplog.set_level("WARNING", logger="tcal.evaluate.ruler")
+    assert generated_tokens(teacher, tokenizer, examples, 4, batch_size=2) == alone
+    assert any("generated one by one: cache layer 0 is a DynamicSlidingWindowLayer" in m for m in caplog.messages)

@@ -108,9 +108,9 @@ class NeedleRulerSettings(RulerSettings):
     tasks: List[str] = setting(affects=[RULER], factory=lambda: list(RULER_TASKS))
     n: int = setting(10, affects=[RULER])
     seed: int = setting(0, affects=[RULER])
-    # examples of one length and task generated together (left-padded): the same greedy replies as one by one up to
-    # a near-tie broken by rounding (tcal.evaluate.ruler.generated_tokens), so it is in the scores' key. At 4 a
-    # process generating SmolLM2's RULER at 4,096 tokens on a CPU peaked at 2.5 GB (4.4 GB at 8); a GPU takes more
+    # examples of one length and task decoded together (tcal.evaluate.ruler.generate_batch): the same greedy replies
+    # as one by one up to a near-tie broken by rounding, so it is in the scores' key. At 4 a process generating
+    # SmolLM2's RULER at 4,096 tokens on a CPU peaked at 2.6 GB (4.1 GB at 8); a GPU takes more
     batch_size: int = setting(4, affects=[RULER])
 
     def check(self) -> None:
