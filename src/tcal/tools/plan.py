@@ -692,8 +692,9 @@ def final_eval_moment(settings, model: Model) -> Moment:
       one request's continuation at a time (`tcal.evaluate.ranked_lm.RankedHFLM`; at most `max_length` positions,
       a rolling log-likelihood's), plus one layer's forward; lm-eval turns autocast off, so a float32 student
       computes in float32;
-    - RULER (one example of the longest `eval.ruler.lengths`): one layer's forward of the prefill, the kept layers'
-      KV cache and the GDN states, and the last position's logits (generate keeps one).
+    - RULER (`eval.ruler.batch_size` examples of the longest `eval.ruler.lengths`, decoded together): one layer's
+      forward of one example's prefill (each runs alone), and per example the kept layers' KV cache, the GDN states
+      and the last position's logits (generate keeps one).
     """
     from tcal.evaluate.perplexity import NLL_CHUNK_ROWS
 
@@ -715,11 +716,12 @@ def final_eval_moment(settings, model: Model) -> Moment:
         work["harness"] = (tokens * model.hidden_size * student_bytes + continuation
                            + forward_working_set(tokens, config, gdn_width, student_bytes))
     if ev.ruler.name != "none":
-        length = max(int(n) for n in ev.ruler.lengths)
+        length, batch = max(int(n) for n in ev.ruler.lengths), int(ev.ruler.batch_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv = 2 * len(student_config.keep_layers) * length * config.num_key_value_heads * head_dim * compute
         states = len(student_config.gdn_layers) * (gdn.num_heads * gdn.head_dim ** 2 * 4 if gdn else 0)
-        work["ruler"] = forward_working_set(length, config, gdn_width, compute) + kv + states + vocab * 4
+        per_example = kv + states + vocab * 4
+        work["ruler"] = forward_working_set(length, config, gdn_width, compute) + batch * per_example
     largest = max(work, key=work.get)
     teacher = model.teacher_params * dtype_bytes(getattr(torch, str(settings.teacher.dtype)))
     parts = {"teacher": teacher, "student": model.student_params * student_bytes, f"{largest}_work": work[largest]}
