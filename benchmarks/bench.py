@@ -109,15 +109,16 @@ def main(argv=None) -> None:
                       help="decoding steps timed per model and batch (the figure is their median)")
     long.add_argument("--no-peak-rss", dest="peak_rss", action="store_false",
                       help="skip the peak-RSS processes (each repeats its model's prefill)")
-    init = parser.add_argument_group("init")
-    init.add_argument("--phase2-steps", type=int, default=None,
-                      help="Phase 2 steps of every mode (calibration.phase2.steps, and init.phase2.steps of full_plus); "
-                           "default: each mode's own (300)")
+
     def positive(text):
         if not text.isdigit() or int(text) < 1:
             raise argparse.ArgumentTypeError(f"{text!r}; expected a positive integer")
         return int(text)
 
+    init = parser.add_argument_group("init")
+    init.add_argument("--phase2-steps", type=positive, default=None,
+                      help="Phase 2 steps of every mode (calibration.phase2.steps, and init.phase2.steps of full_plus); "
+                           "default: each mode's own (300)")
     ruler = parser.add_argument_group("ruler")
     ruler.add_argument("--ruler-lengths", type=numbers(int), default=RULER_LENGTHS, help="comma list of lengths")
     ruler.add_argument("--ruler-tasks", type=numbers(str), default=RULER_TASKS, help="comma list of RULER tasks")
