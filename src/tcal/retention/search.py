@@ -37,6 +37,7 @@ from tcal.retention.recall import (
     probe_sequences,
     sequence_losses,
 )
+from tcal.runtime.progress import progress
 from tcal.settings.fields import INIT, KEEP
 from tcal.store.cache import get_or_build, json_codec
 from tcal.student.convert import build_student
@@ -177,13 +178,20 @@ def searched(retention, ctx, selection: Selection, text_rise: dict[int, float],
 
         def search() -> dict:
             begun = time.perf_counter()
-            measure = None
+            students = None
             if removable:
                 ids, labels = probe_sequences(retention, ctx)
-                measure = Students(ctx.teacher, gdns, ids, labels, int(retention.batch_size),
-                                   ctx.settings.init.gqa_expansion, int(ctx.settings.seed)).losses
-            result = greedy_search(measure, start, removable, add_order, int(retention.search_budget),
-                                   float(retention.text_margin), float(retention.noise_z))
+                students = Students(ctx.teacher, gdns, ids, labels, int(retention.batch_size),
+                                    ctx.settings.init.gqa_expansion, int(ctx.settings.seed))
+            with progress(total=int(retention.search_budget), unit="student",
+                          desc=f"retention recall search ({ctx.settings.init.name}): forwards") as bar:
+                def measure(keep):
+                    rows = students.losses(keep)
+                    bar.update(1)
+                    return rows
+
+                result = greedy_search(measure, start, removable, add_order, int(retention.search_budget),
+                                       float(retention.text_margin), float(retention.noise_z))
             return {**result, "start": list(start), "seconds": round(time.perf_counter() - begun, 3),
                     "init_seconds": init_seconds, "init": str(ctx.settings.init.name)}
 
