@@ -32,6 +32,8 @@ with layer i changed replays the base forward's outputs of layers 0..i-1 instead
 scores (`tcal.retention.cache`; `probe=gdn` adds the init, the calibration and the seed to the key) and serve
 every ratio, `scored`, `fill` and `noise_z`. The details (both rises and the standard error per layer, the rule's
 figures, the scored layers, the probe's size and its seconds) go to results.json `retention_details`.
+
+`search=greedy` then measures students instead of the teacher, from this keep list (`tcal.retention.search`).
 """
 
 from __future__ import annotations
@@ -268,4 +270,9 @@ def recall(retention: RecallRetentionSettings, ctx) -> Selection:
                "seq_len": int(retention.seq_len), "probe_seed": int(retention.probe_seed),
                "seconds": probe["seconds"], "tokens": probe["tokens"], "answer_tokens": probe["answer_tokens"],
                "text_tokens": probe["text_tokens"]}
-    return Selection(keep, scores, details)
+    selection = Selection(keep, scores, details)
+    if retention.search == "none":
+        return selection
+    from tcal.retention.search import searched
+
+    return searched(retention, ctx, selection, figures["text_rise"], figures["answer_rise"])

@@ -26,6 +26,8 @@ from tcal.settings.fields import (
 
 PROBES = ("bypass", "gdn")  # recall's probe: a layer's attention output zeroed, or replaced by its initialized GDN
 FILLS = ("text", "uniform")  # how recall places the kept layers its score does not choose
+# recall's search on the converted student after the rule (docs/method.md, "Retained-layer policies": the search)
+SEARCHES = ("none", "greedy")
 MIN_PROBE_LEN = 128  # a retrieval sequence holds needles, a question and an answer besides its text
 
 
@@ -166,7 +168,8 @@ class GaS2RetentionSettings(ScoredRetentionSettings):
 class RecallRetentionSettings(RetentionSettings):
     """`recall`: layers scored by the rise of the teacher's loss on retrieved answers beyond its rise on text, on
     synthetic needle sequences cut from the calibration split. The layers whose score stands `noise_z` standard
-    errors (over the probe's sequences) above 0 are kept (`scored=N`: the N highest instead), the rest by `fill`."""
+    errors (over the probe's sequences) above 0 are kept (`scored=N`: the N highest instead), the rest by `fill`;
+    `search=greedy` then swaps fill layers for converted ones by the answer loss of the converted student."""
 
     name: str = setting("recall", affects=[SCORES, KEEP])
     # tokens per probe sequence: as long as the shortest RULER length measured (512) and more, so that layers whose
@@ -185,6 +188,12 @@ class RecallRetentionSettings(RetentionSettings):
     noise_z: float = setting(3.0, affects=[KEEP])
     # the rest: text (highest text-loss rise, as AR would keep) or uniform (the uniform policy's slots)
     fill: str = setting("text", affects=[KEEP])
+    # greedy: then swap fill layers for converted layers by the answer loss of the student itself (run's init)
+    search: str = setting("none", affects=[KEEP])
+    # the search's student forwards over the probe's sequences at most, the start's included
+    search_budget: int = setting(32, affects=[KEEP])
+    # how far the search's swaps may raise the student's text loss over the start's, in nats a token (ln 1.03)
+    text_margin: float = setting(0.0296, affects=[KEEP])
     # reuse scores computed with the same key (false: score again, write nothing)
     cache: bool = setting(True, affects=NOTHING)
 
@@ -199,6 +208,10 @@ class RecallRetentionSettings(RetentionSettings):
             raise bad("probe_seed", self.probe_seed, "an integer >= 0")
         one_of("probe", self.probe, PROBES)
         one_of("fill", self.fill, FILLS)
+        one_of("search", self.search, SEARCHES)
+        positive_int("search_budget", self.search_budget)
+        if not is_number(self.text_margin) or self.text_margin < 0:
+            raise bad("text_margin", self.text_margin, "a number >= 0 (nats a text token)")
         if self.scored is not None and (not is_int(self.scored) or self.scored < 0):
             raise bad("scored", self.scored, "null (the layers above the probe's noise) or an integer >= 0")
         if not is_number(self.noise_z) or self.noise_z < 0:
@@ -220,7 +233,7 @@ class RecallRetentionSettings(RetentionSettings):
                                f"={self.ratio} keeps of {num_layers}")
 
     def initializes_layers(self) -> bool:
-        return self.probe == "gdn"
+        return self.probe == "gdn" or self.search != "none"
 
     def needle_probe(self) -> tuple[int, int, int]:
         return self.seq_len, self.num_prompts, self.probe_seed

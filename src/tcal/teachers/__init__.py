@@ -17,8 +17,10 @@ def register(adapter: TeacherAdapter) -> TeacherAdapter:
 
 
 def adapter_for(config) -> TeacherAdapter:
-    """The adapter for a teacher config (or model); a clear error names the supported architectures."""
+    """The adapter for a teacher config (or model; a hybrid student's is its teacher's, whose base model it is); a
+    clear error names the supported architectures."""
     config = getattr(config, "config", config)
+    config = getattr(config, "teacher_config", None) or config
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:
         supported = ", ".join(sorted(ADAPTERS))

@@ -419,8 +419,9 @@ RANKED_LAYERS = (7, 16, 18)  # SmolLM2's retrieving layers (docs/results.md, "Lo
 
 def retention_variant(details: dict | None) -> str:
     """How a recall run chose its layers, from its results.json `retention_details`: the probe (and its length),
-    the scored layers and what chose them (the rule with its margin, or `scored=N`), the fill; "-" for the other
-    policies. Records written before the rule (no `rule` field) chose the `scored` highest, all kept when unset."""
+    the scored layers and what chose them (the rule with its margin, or `scored=N`), the fill, and the search's
+    accepted swaps with its forwards and budget; "-" for the other policies. Records written before the rule (no
+    `rule` field) chose the `scored` highest, all kept when unset."""
     if not details or "scored_layers" not in details:
         return MISSING
     scored = details["scored_layers"]
@@ -431,7 +432,12 @@ def retention_variant(details: dict | None) -> str:
     else:
         how = f"scored={details['scored']}"
     length = f"/{details['seq_len']}" if "seq_len" in details else ""
-    return f"{details['probe']}{length} {how} ({' '.join(map(str, scored)) or 'none'}) fill={details['fill']}"
+    variant = f"{details['probe']}{length} {how} ({' '.join(map(str, scored)) or 'none'}) fill={details['fill']}"
+    search = details.get("search")
+    if search:
+        variant += (f" search={' '.join(search['swaps']) or 'no swap'} ({search['forwards']}/{search['budget']} "
+                    f"forwards, {search['init']})")
+    return variant
 
 
 def ablation_table(runs: list[Run]) -> Table:
