@@ -185,15 +185,16 @@ def broken_plugins(tmp_path_factory):
 
 @pytest.mark.parametrize("case", sorted(BROKEN_PLUGINS))
 def test_a_plugin_that_cannot_be_used_is_one_line_naming_it(case, broken_plugins, monkeypatch):
-    """Every way a plugin fails is one ConfigError line naming it, as the entry points compose (`check_plugins`)."""
-    from tcal.registry import PLUGINS_ENV, REGISTRIES
+    """Every way a plugin fails is one ConfigError line naming it, as the entry points compose (`check_plugins`),
+    also when this process composed before without it (TCAL_PLUGINS set in a notebook after a first run)."""
+    from tcal.registry import PLUGINS_ENV
     from tcal.settings.compose import check_plugins
 
     plugins, _, message = BROKEN_PLUGINS[case]
+    monkeypatch.delenv(PLUGINS_ENV, raising=False)
+    check_plugins()
     monkeypatch.syspath_prepend(str(broken_plugins))
     monkeypatch.setenv(PLUGINS_ENV, plugins)
-    for registry in REGISTRIES:  # asked anew, as a fresh process asks (the registries are as before afterwards)
-        monkeypatch.setattr(registry, "_loaded", False)
     with pytest.raises(ConfigError, match=rf"^TCAL_PLUGINS={plugins!r}: .*{message}") as refused:
         check_plugins()
     assert "\n" not in str(refused.value)

@@ -132,13 +132,13 @@ def test_a_signal_in_api_initialize_raises_interrupted_naming_it(signum, tiny, m
     import tcal.init.calibration.calibrate as calibrate
 
     teacher, splits = tiny
-    original = calibrate.calibrate_one
+    original = calibrate.start_record
 
     def signalled(*args, **kwargs):
         os.kill(os.getpid(), signum)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(calibrate, "calibrate_one", signalled)
+    monkeypatch.setattr(calibrate, "start_record", signalled)
     caught = None
     with pytest.raises(Interrupted, match=f"interrupted by {signum.name}"):
         try:

@@ -48,7 +48,7 @@ class Registry:
     def __init__(self, kind: str, group: str, packages: tuple[str, ...]):
         self.kind, self.group, self.packages = kind, group, packages
         self._options: dict[str, Option] = {}
-        self._loaded = False
+        self._loaded: tuple[str, ...] | None = None  # the plugin packages loaded with it (TCAL_PLUGINS may change)
 
     def option(self, name: str, settings: type, **defaults: Any) -> Callable[[Callable | None], Callable | None]:
         """Decorator: register the function below as option `name`, its settings of class `settings`."""
@@ -63,15 +63,17 @@ class Registry:
         return add
 
     def load(self) -> None:
-        """Import the modules that register options (once all did: a failed import fails every later ask too, and
-        a plugin that fails leaves every registry as it was before it)."""
-        if self._loaded:
+        """Import the modules that register options (once all did, and again when `TCAL_PLUGINS` names other
+        packages: a failed import fails every later ask too, and a plugin that fails leaves every registry as it
+        was before it)."""
+        plugins = tuple(plugin_packages())
+        if self._loaded == plugins:
             return
         for package_name in self.packages:
             package = importlib.import_module(package_name)
             for module in pkgutil.iter_modules(package.__path__):
                 importlib.import_module(f"{package_name}.{module.name}")
-        for plugin in plugin_packages():
+        for plugin in plugins:
             before = [(registry, dict(registry._options)) for registry in (*REGISTRIES, self)]
             try:
                 for module in pkgutil.iter_modules(plugin_package(plugin).__path__):
@@ -80,7 +82,7 @@ class Registry:
                 for registry, options in before:
                     registry._options = options
                 raise
-        self._loaded = True
+        self._loaded = plugins
 
     def names(self) -> list[str]:
         self.load()

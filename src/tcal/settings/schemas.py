@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tcal.registry import REGISTRIES
+from tcal.registry import REGISTRIES, plugin_packages
 from tcal.settings.evaluation import EvalSettings
 from tcal.settings.fields import Settings
 from tcal.settings.run import GROUPS, RunSettings
@@ -72,8 +72,14 @@ def _open(node):
         OmegaConf.set_struct(node, True)
 
 
-@functools.lru_cache(maxsize=None)
 def register_schemas() -> None:
+    """`store_schemas` once per set of plugin packages (`TCAL_PLUGINS` set after a first composition adds its
+    options' schemas at the next)."""
+    store_schemas(tuple(plugin_packages()))
+
+
+@functools.lru_cache(maxsize=None)
+def store_schemas(plugins: tuple[str, ...]) -> None:
     """Store every schema in Hydra's ConfigStore (`/schema/<group>/<name>`, the root's `/schema/root`), and the
     `join` resolver sweep files name their job folders with (`${join:${stage.sequence}}` -> align_distill)."""
     from hydra.core.config_store import ConfigStore
