@@ -1,7 +1,13 @@
 """The installed package stands without the benchmarks, no module reaches into another's private names, and the
-imports between the folders of src/tcal run down one layer order."""
+imports between the folders of src/tcal run down one layer order; settings are built and composed without the
+options' code."""
 
 import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,3 +97,33 @@ def test_imports_run_down_the_layers():
                          f"{layer[mine] + 1}) may import only from layers below it, and {theirs} is layer "
                          f"{layer[theirs] + 1}")
     assert wrong == [], "imports against the layer order (tests/test_imports.py, LAYERS):\n" + "\n".join(wrong)
+
+
+SETTINGS_ONLY = textwrap.dedent("""
+    import json, sys, time
+    started = time.perf_counter()
+    from tcal.settings import RunSettings
+    RunSettings()
+    seconds = time.perf_counter() - started
+    def heavy():
+        from tcal.registry import REGISTRIES
+        named = {o.implementation_at.partition(":")[0] for r in REGISTRIES for o in r._options.values()}
+        return sorted(m for m in sys.modules if m == "torch" or m in named or m.startswith(("tcal.init", "tcal.retention")))
+    built = heavy()
+    from tcal.settings.compose import settings_for
+    composed = settings_for("init=full_plus", "retention=recall", "init.pool.tokens=4096")
+    print(json.dumps({"built": built, "composed": heavy(), "seconds": seconds, "init": type(composed.init).__name__}))
+""")
+
+
+def test_settings_are_built_and_composed_without_importing_any_option_or_torch():
+    """A registry names each option's implementation by dotted path and imports it when the option runs: building
+    `RunSettings()` and composing `settings_for(...)` (every name checked, every schema built) import no option module
+    and not torch. The time is a loose bound only (a shared machine); the import set is the test."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env.pop("TCAL_PLUGINS", None)
+    done = subprocess.run([sys.executable, "-c", SETTINGS_ONLY], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["built"] == [] and found["composed"] == [] and found["init"] == "FullPlusSettings", found
+    assert found["seconds"] < 5.0, found

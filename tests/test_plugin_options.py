@@ -147,7 +147,7 @@ def test_a_plugin_package_that_cannot_be_imported_is_named_on_every_ask(monkeypa
     from tcal.registry import PLUGINS_ENV, PluginError, Registry
 
     monkeypatch.setenv(PLUGINS_ENV, "tcal_no_such_plugin")
-    registry = Registry("init mode", "init", ("tcal.init",))
+    registry = Registry("init mode", "init")
     for _ in range(2):
         with pytest.raises(PluginError, match=r"TCAL_PLUGINS='tcal_no_such_plugin': cannot import "
                                               r"'tcal_no_such_plugin' \(no module named 'tcal_no_such_plugin'\)"):
@@ -226,7 +226,7 @@ def test_a_failing_plugin_leaves_every_registry_as_it_was(broken_plugins, monkey
     monkeypatch.syspath_prepend(str(broken_plugins))
     monkeypatch.setenv(PLUGINS_ENV, "half")
     before = {registry.kind: dict(registry._options) for registry in (INIT_MODES, POLICIES)}
-    registry = Registry("init mode", "init", ("tcal.init",))
+    registry = Registry("init mode", "init")
     for _ in range(2):
         with pytest.raises(PluginError, match=r"importing half.first raised RuntimeError: half way"):
             registry.names()

@@ -163,6 +163,7 @@ def test_the_implementations_serve_exactly_the_names_the_settings_allow():
     assert INIT_MODES.names() == group_options("init") and len(INIT_MODES.names()) == 7
     assert POLICIES.names() == group_options("retention") and len(POLICIES.names()) == 5
     assert all(issubclass(o.settings, InitSettings) for o in INIT_MODES.options())
+    assert all(callable(o.implementation) for o in (*INIT_MODES.options(), *POLICIES.options()))  # paths resolve
     assert tuple(PHASE1_RULES) == RULES
     assert sorted(SOURCES) == sorted(DATA_SOURCES)
     assert sorted(STAGES) == sorted(KINDS)

@@ -1,12 +1,14 @@
-"""The options of the pluggable groups (init modes, retention policies): each an `Option` that owns its
-settings class and its implementation. Every name -> class or name -> function table is read from here.
+"""The options of the pluggable groups (init modes, retention policies): each an `Option` that names its settings
+class and its implementation. Every name -> class or name -> function table is read from here.
 
-An option is one module plus one YAML: the module registers it (`@INIT_MODES.option("rescale", RescaleSettings)`
-above the function), the YAML (`conf/init/rescale.yaml`) opens with the schema the registry builds from the
-settings class (`- /schema/init/rescale@_here_`). A registry imports every module of its package when first asked,
-and those of the packages named in `TCAL_PLUGINS` (comma-separated, importable): a plugin package holds its option
-modules and, beside them, a `conf/` folder of their YAMLs, which composition searches after tcal's own
-(`plugin_conf_dirs`). Nothing else names an option.
+An option is one module plus one YAML, and one line naming them: tcal's own are the `declare` lines at the end of
+this file, each a dotted path "module:attribute" imported on first use (a settings class, from the light
+`tcal.settings`, when a name is checked; the function only when it runs: settings build and compose without option
+code or torch). The YAML (`conf/init/rescale.yaml`) opens with the schema the registry builds from the settings
+class (`- /schema/init/rescale@_here_`). A plugin is a package named in `TCAL_PLUGINS` (comma-separated,
+importable): the registries import its modules when first asked, each registering its option with one decorator
+(`@INIT_MODES.option("rescale", RescaleSettings)` above the function) or one `declare` line, and the `conf/` folder
+beside them holds their YAMLs, searched after tcal's own (`plugin_conf_dirs`). Nothing else names an option.
 
 A plugin that cannot be used (not importable, a plain module rather than a package, a module that raises, a name
 that is taken) is a `PluginError`: one line naming the plugin and what to do; the registries are left as they were
@@ -29,15 +31,32 @@ class PluginError(Exception):
     """A plugin package `TCAL_PLUGINS` names cannot be used; the message names it and what to do, on one line."""
 
 
+def resolve(target: Any) -> Any:
+    """`target` itself, or the object its dotted path "module:attribute" names (the module imported now, once)."""
+    if not isinstance(target, str):
+        return target
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One choice of a config group: `settings` is its closed settings class, `implementation` what it does,
-    `defaults` the field values that tell it apart from the other options of the same class (`phases` of phase1)."""
+    """One choice of a config group: `settings` is its closed settings class, `implementation` what it does (each
+    given as the object or as its dotted path, imported on first use), `defaults` the field values that tell it apart
+    from the other options of the same class (`phases` of phase1)."""
 
     name: str
-    settings: type
-    implementation: Callable | None
+    settings_at: type | str
+    implementation_at: Callable | str | None
     defaults: dict
+
+    @property
+    def settings(self) -> type:
+        return resolve(self.settings_at)
+
+    @property
+    def implementation(self) -> Callable | None:
+        return resolve(self.implementation_at)
 
     def make_settings(self, **changes: Any):
         """The option's default settings (as its YAML gives them when it changes nothing), with `changes`."""
@@ -45,34 +64,31 @@ class Option:
 
 
 class Registry:
-    def __init__(self, kind: str, group: str, packages: tuple[str, ...]):
-        self.kind, self.group, self.packages = kind, group, packages
+    def __init__(self, kind: str, group: str):
+        self.kind, self.group = kind, group
         self._options: dict[str, Option] = {}
         self._loaded: tuple[str, ...] | None = None  # the plugin packages loaded with it (TCAL_PLUGINS may change)
 
+    def declare(self, name: str, implementation: Callable | str | None, settings: type | str, **defaults: Any):
+        """Option `name`: `implementation` with settings of class `settings`, each an object or a dotted path."""
+        if name in self._options:
+            at = self._options[name].implementation_at
+            owner = at.partition(":")[0] if isinstance(at, str) else getattr(at, "__module__", None) or "another module"
+            raise ValueError(f"{self.kind} {name!r} is already registered (by {owner}); expected a name of its own")
+        self._options[name] = Option(name, settings, implementation, dict(defaults))
+        return implementation
+
     def option(self, name: str, settings: type, **defaults: Any) -> Callable[[Callable | None], Callable | None]:
         """Decorator: register the function below as option `name`, its settings of class `settings`."""
-        def add(implementation: Callable | None) -> Callable | None:
-            if name in self._options:
-                owner = getattr(self._options[name].implementation, "__module__", None) or "another module"
-                raise ValueError(f"{self.kind} {name!r} is already registered (by {owner}); expected a name of its "
-                                 f"own")
-            self._options[name] = Option(name, settings, implementation, dict(defaults))
-            return implementation
-
-        return add
+        return lambda implementation: self.declare(name, implementation, settings, **defaults)
 
     def load(self) -> None:
-        """Import the modules that register options (once all did, and again when `TCAL_PLUGINS` names other
+        """Import the plugin modules that register options (once all did, and again when `TCAL_PLUGINS` names other
         packages: a failed import fails every later ask too, and a plugin that fails leaves every registry as it
         was before it)."""
         plugins = tuple(plugin_packages())
         if self._loaded == plugins:
             return
-        for package_name in self.packages:
-            package = importlib.import_module(package_name)
-            for module in pkgutil.iter_modules(package.__path__):
-                importlib.import_module(f"{package_name}.{module.name}")
         for plugin in plugins:
             before = [(registry, dict(registry._options)) for registry in (*REGISTRIES, self)]
             try:
@@ -147,6 +163,22 @@ def plugin_conf_dirs() -> list[Path]:
     return folders
 
 
-INIT_MODES = Registry("init mode", "init", ("tcal.init",))
-POLICIES = Registry("retention policy", "retention", ("tcal.retention",))
+INIT_MODES = Registry("init mode", "init")
+INIT_MODES.declare("naive", "tcal.init.naive:naive", "tcal.settings.init:InitSettings")
+INIT_MODES.declare("zero_gate", "tcal.init.gates:zero_gate", "tcal.settings.init:InitSettings")
+INIT_MODES.declare("small_gate", "tcal.init.gates:small_gate", "tcal.settings.init:GateInitSettings")
+INIT_MODES.declare("phase1", "tcal.init.taylor:calibrated", "tcal.settings.init:CalibratedInitSettings",
+                   phases=["phase1"])
+INIT_MODES.declare("phase2", "tcal.init.taylor:calibrated", "tcal.settings.init:CalibratedInitSettings",
+                   phases=["phase2"])
+INIT_MODES.declare("full", "tcal.init.taylor:calibrated", "tcal.settings.init:CalibratedInitSettings")
+INIT_MODES.declare("full_plus", "tcal.init.full_plus:full_plus", "tcal.settings.init:FullPlusSettings")
+
+POLICIES = Registry("retention policy", "retention")
+POLICIES.declare("uniform", "tcal.retention.uniform:uniform", "tcal.settings.retention:RetentionSettings")
+POLICIES.declare("explicit", "tcal.retention.explicit:explicit", "tcal.settings.retention:ExplicitRetentionSettings")
+POLICIES.declare("ar", "tcal.retention.ar:ar", "tcal.settings.retention:ScoredRetentionSettings")
+POLICIES.declare("ga_s2", "tcal.retention.ga_s2:ga_s2", "tcal.settings.retention:GaS2RetentionSettings")
+POLICIES.declare("recall", "tcal.retention.recall:recall", "tcal.settings.retention:RecallRetentionSettings")
+
 REGISTRIES = (INIT_MODES, POLICIES)

@@ -4,7 +4,6 @@ config only, Phase 2 on minibatches of a calibration-split pool, the state kept 
 
 from tcal.init.calibration.calibrate import calibration_store
 from tcal.init.calibration.pool import CalibrationPool, calibrate_on_pool, calibration_pool
-from tcal.registry import INIT_MODES
 from tcal.settings.init import FullPlusSettings, pool_windows
 from tcal.settings.relevance import cache_settings
 
@@ -23,7 +22,6 @@ def full_plus_pool(ctx, init) -> CalibrationPool:
                             shape["held_out_every"])
 
 
-@INIT_MODES.option("full_plus", FullPlusSettings)
 def full_plus(gdns, init: FullPlusSettings, ctx) -> dict:
     calibration = ctx.settings.calibration
     phase1 = init.phase1_settings(calibration)  # `full`'s knobs, this recipe's own

@@ -2,11 +2,9 @@
 
 import torch
 
-from tcal.registry import INIT_MODES
 from tcal.settings.init import GateInitSettings, InitSettings
 
 
-@INIT_MODES.option("zero_gate", InitSettings)
 @torch.no_grad()
 def zero_gate(gdns, init: InitSettings, ctx) -> dict:
     for gdn in gdns.values():
@@ -14,7 +12,6 @@ def zero_gate(gdns, init: InitSettings, ctx) -> dict:
     return {}
 
 
-@INIT_MODES.option("small_gate", GateInitSettings)
 @torch.no_grad()
 def small_gate(gdns, init: GateInitSettings, ctx) -> dict:
     for gdn in gdns.values():

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 import torch
 
 from tcal.evaluate.perplexity import perplexity
-from tcal.registry import POLICIES
 from tcal.retention import Selection
 from tcal.retention.cache import scored_selection, scoring_windows
 from tcal.runtime.distributed import Ranks
@@ -54,7 +53,6 @@ def bypass_perplexities(teacher, windows: torch.Tensor, batch_size: int, ranks: 
     return ranks.merge(scores)
 
 
-@POLICIES.option("ar", ScoredRetentionSettings)
 def ar(retention: ScoredRetentionSettings, ctx) -> Selection:
     """Keep the layers whose attention bypass raises perplexity most."""
     return scored_selection(retention, ctx, lambda: bypass_perplexities(ctx.teacher, scoring_windows(retention, ctx),

@@ -18,7 +18,6 @@ import torch
 
 from tcal.evaluate.perplexity import perplexity
 from tcal.init import apply_init
-from tcal.registry import POLICIES
 from tcal.retention import Selection
 from tcal.retention.cache import scored_selection, scoring_windows
 from tcal.runtime.progress import progress
@@ -75,7 +74,6 @@ def probe_perplexities(ctx, gdns: dict, windows: torch.Tensor, batch_size: int) 
     return ctx.ranks.merge(scores)
 
 
-@POLICIES.option("ga_s2", GaS2RetentionSettings)
 def ga_s2(retention: GaS2RetentionSettings, ctx) -> Selection:
     """Keep the layers whose single-softmax probe student has the lowest perplexity (init-dependent)."""
     num_kept(retention.ratio, ctx.num_layers)  # a bad ratio fails before anything is read

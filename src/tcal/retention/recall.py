@@ -48,7 +48,6 @@ from torch import nn
 
 from tcal.data.needles import ANSWER, TEXT, probe_batch
 from tcal.evaluate.perplexity import token_nll
-from tcal.registry import POLICIES
 from tcal.retention import Selection
 from tcal.retention.ar import attention_bypassed
 from tcal.retention.cache import score_folder, selection_key, top_k
@@ -218,7 +217,6 @@ def keep_list(chosen: list[int], text_rise: dict[int, float], k: int, fill: str,
     raise ValueError(f"retention.fill={fill!r}; expected one of {', '.join(FILLS)}")
 
 
-@POLICIES.option("recall", RecallRetentionSettings)
 def recall(retention: RecallRetentionSettings, ctx) -> Selection:
     """Keep the layers whose removal costs the teacher's retrieval beyond the probe's noise and its cost on
     ordinary text, then fill the rest."""
