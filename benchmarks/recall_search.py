@@ -21,7 +21,7 @@ import time
 
 from tcal import api
 from tcal.retention.ga_s2 import initialized_gdns
-from tcal.retention.recall import probe_sequences
+from tcal.retention.probe import probe_sequences
 from tcal.retention.search import Students, mean_column
 from tcal.settings.compose import settings_for
 

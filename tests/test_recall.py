@@ -22,17 +22,8 @@ from tcal.errors import ConfigError
 from tcal.pipeline import RunContext
 from tcal.retention import select_layers
 from tcal.retention.ar import attention_bypassed
-from tcal.retention.recall import (
-    above_noise,
-    chosen_by_score,
-    earlier_layers_replayed,
-    keep_list,
-    layer_outputs_recorded,
-    probe_sequences,
-    recall_scores,
-    sequence_losses,
-    uniform_fill,
-)
+from tcal.retention.probe import earlier_layers_replayed, layer_outputs_recorded, probe_sequences, sequence_losses
+from tcal.retention.recall import above_noise, chosen_by_score, keep_list, recall_scores, uniform_fill
 from tcal.retention.uniform import uniform_layers
 from tcal.teachers.load import load_tokenizer
 

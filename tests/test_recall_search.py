@@ -17,7 +17,7 @@ import tcal.retention.search as search_mod
 from tcal.errors import ConfigError
 from tcal.retention import select_layers
 from tcal.retention.ga_s2 import initialized_gdns
-from tcal.retention.recall import probe_sequences, sequence_losses
+from tcal.retention.probe import probe_sequences, sequence_losses
 from tcal.retention.search import Students, greedy_search
 from tcal.student.convert import build_student
 

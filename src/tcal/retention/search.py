@@ -31,12 +31,7 @@ import torch
 from tcal.retention import Selection
 from tcal.retention.cache import score_folder, selection_key
 from tcal.retention.ga_s2 import initialized_gdns
-from tcal.retention.recall import (
-    earlier_layers_replayed,
-    layer_outputs_recorded,
-    probe_sequences,
-    sequence_losses,
-)
+from tcal.retention.probe import earlier_layers_replayed, layer_outputs_recorded, probe_sequences, sequence_losses
 from tcal.runtime.progress import progress
 from tcal.settings.fields import INIT, KEEP
 from tcal.store.cache import get_or_build, json_codec
