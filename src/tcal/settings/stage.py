@@ -113,8 +113,7 @@ class TrainingStageSettings(StageSettings):
     runs = "decoder"  # what a step runs: "decoder" (the student on the batch) or "mixers" (each GDN mixer alone)
 
     def checkpointing(self) -> str:
-        """The recomputation a step runs with: activation_checkpointing (whole decoder layers), checkpoint_mixers
-        or none."""
+        """What a step recomputes: activation_checkpointing (whole decoder layers), checkpoint_mixers or none."""
         if self.activation_checkpointing:
             return "activation_checkpointing"
         return "checkpoint_mixers" if self.checkpoint_mixers else "none"

@@ -21,18 +21,14 @@ def stage_order(kinds) -> list[str]:
     return [*STAGE_ORDER, *(kind for kind in kinds if kind not in STAGE_ORDER)]
 
 
-def torch_dtype(dtype) -> torch.dtype:
-    """A torch dtype, given itself or its name ("bfloat16")."""
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
-
-
 def dtype_bytes(dtype) -> int:
-    return torch.empty((), dtype=torch_dtype(dtype)).element_size()
+    """Bytes per element of a torch dtype, or of the one a name ("bfloat16") names."""
+    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def gb(size: float) -> float:
     return round(size / GB, 2)
-
 
 
 @dataclass(frozen=True)
@@ -121,7 +117,6 @@ def trainer_state(trainer) -> tuple[Precision, Strategy, StateBytes]:
     return precision, strategy, strategy.state_bytes(precision)
 
 
-
 def parameters_of(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -174,11 +169,8 @@ def retention_plan(settings, num_layers: int) -> dict:
     return plan
 
 
-
 class Fitting:
-    """A per-device figure (`peak` bytes) that fits when its peak plus the headroom is at most the device."""
-
-    peak: int
+    """A per-device figure (its `peak` bytes) that fits when its peak plus the headroom is at most the device."""
 
     def fits(self, device_gb: float, headroom_gb: float) -> bool:
         return self.peak + headroom_gb * GB <= device_gb * GB
@@ -338,7 +330,7 @@ def stage_memory(node, settings, model: Model, world: int, device_type: str) -> 
     what it trains, what a step runs (`STEPS`), its checkpointing, the teacher's dtype and the KL on the logits."""
     precision, strategy, state = trainer_state(settings.trainer)
     teacher_dtype_name = node.stage_teacher_dtype(settings.teacher.dtype)
-    teacher_dtype = torch_dtype(teacher_dtype_name)
+    teacher_dtype = getattr(torch, str(teacher_dtype_name))
     # Under autocast the residual stream, the norms and the GDN's recurrence stay float32 and only matmul outputs
     # are in the compute dtype: tracing the float32 student bounds what autograd keeps from above.
     trace_dtype = torch.float32 if state.autocast_copy else precision.compute
@@ -430,7 +422,6 @@ def calibration_memory(settings, model: Model, device_type: str, world: int = 1)
         memory.notes.append(f"retention={settings.retention.name} first scores the layers on the real teacher (not "
                             f"planned)")
     return memory
-
 
 
 @dataclass
