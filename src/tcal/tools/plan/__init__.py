@@ -11,7 +11,7 @@ For calibration, Stage 1 (align) and Stage 2 (distill) the plan adds up, per dev
   two moments too); under `*-mixed` the student is float32 (`pipeline` casts it): 4-byte weights and gradients,
   8 bytes of moments per trainable parameter;
 - autocast copies: under `*-mixed`, the compute-dtype copy of each trainable Linear weight that autograd keeps for
-  backward (Lightning's autocast caches none), by checkpointing setting (`autocast_copies`);
+  backward (Lightning's autocast caches none), by checkpointing setting (`Step.autocast_params`);
 - teacher: frozen, in `teacher.dtype` (Stage 2: `stage.teacher_dtype` when set), whole on every device;
 - buffers: DDP's bucket copy of the gradients;
 - gathered units: under FSDP2 (`trainer.strategy=fsdp`: each decoder layer and GDN mixer a unit), the root's
