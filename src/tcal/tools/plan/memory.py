@@ -71,17 +71,16 @@ class Strategy:
     """What a training strategy spreads over the ranks (see the package docstring)."""
 
     name: str
-    shards_optimizer: bool = False
-    shards_gradients: bool = False
-    shards_weights: bool = False
-    per_layer_units: bool = False  # FSDP2: each decoder layer and GDN mixer a unit, gathered one at a time
+    # FSDP2: weights, gradients and AdamW states sharded over the ranks, and each decoder layer and GDN mixer a
+    # unit, gathered one at a time
+    sharded: bool = False
     note: str = ""
 
     @classmethod
     def parse(cls, name) -> "Strategy":
         name = str(name)
         if name.startswith("fsdp") or name == "model_parallel":
-            return cls(name, True, True, True, per_layer_units=True,
+            return cls(name, sharded=True,
                        note="FSDP2: float32 weights, gradients and AdamW states sharded over the ranks; the root "
                             "(embeddings, final norm, head) gathered from forward to backward, and two layer units "
                             "(the running one and the next) with their unsharded gradients")
@@ -107,7 +106,7 @@ class Strategy:
     def gathered_dtype(self, precision: Precision) -> torch.dtype | None:
         """The dtype FSDP2 gathers parameters in (`tcal.training.stages.fsdp_policy`): bfloat16 under bf16-mixed,
         None (their own dtype) otherwise and under every other strategy."""
-        if self.per_layer_units and precision.mixed and precision.compute == torch.bfloat16:
+        if self.sharded and precision.mixed and precision.compute == torch.bfloat16:
             return torch.bfloat16
         return None
 
@@ -357,12 +356,12 @@ def stage_memory(node, settings, model: Model, world: int, device_type: str) -> 
         notes.append("FSDP2 mixed precision: parameters gathered in bfloat16, so autocast makes none of the copies "
                      "above; gradients reduce-scattered from a float32 copy of one unit")
     gathered = 0
-    if strategy.per_layer_units and world > 1:
+    if strategy.sharded and world > 1:
         gathered = fsdp_gathered(step, state, dtype_bytes(gathered_dtype) if gathered_dtype else None)
+    shards = world if strategy.sharded else 1
     return StageMemory(
-        weights=model.student_params * state.weight // (world if strategy.shards_weights else 1),
-        gradients=trainable * state.gradient // (world if strategy.shards_gradients else 1),
-        optimizer=trainable * state.optimizer // (world if strategy.shards_optimizer else 1),
+        weights=model.student_params * state.weight // shards, gradients=trainable * state.gradient // shards,
+        optimizer=trainable * state.optimizer // shards,
         teacher=model.teacher_params * dtype_bytes(teacher_dtype), buffers=strategy.buffers(trainable, state, world),
         activations=step.activations, checkpointing=node.checkpointing(), kl=kl, autocast=autocast,
         gathered=gathered, notes=notes + ([step.note] if step.note else []),
@@ -455,7 +454,7 @@ def gather_moment(settings, model: Model, world: int) -> Moment | None:
     teacher = model.teacher_params * dtype_bytes(settings.teacher.dtype)
     full = model.student_params * state.weight
     where = {"strategy": strategy.name, "world_size": world}
-    if strategy.shards_weights and world > 1:
+    if strategy.sharded and world > 1:
         return Moment({"teacher": teacher, "weight_shards": full // world, "gathered_student": full},
                       f"FSDP stage end: the full student ({state.weight}-byte weights) gathered on every rank next to "
                       f"its shards and the teacher; optimizer states, gradients, gathered units and activations "
