@@ -6,9 +6,9 @@ and three converted, trains on the CPU: one forward and backward of its decoder 
 for the embeddings, in a fresh process per setting. Measured: the peak resident growth over the process with the
 model, its gradients (allocated beforehand, so the backward only accumulates) and the input, less the output,
 with glibc releasing freed blocks at once (resident memory then follows the live tensors). Planned: what
-`tcal.tools.plan` adds up for the same slice (`trace_decoder`, `decoder_activations`, and under autocast the weight copies
-of `autocast_copies`). Each checkpointing setting in float32, and under bf16 autocast (CPU autocast; the plan's
-float32 trace is an upper bound there).
+`tcal.tools.plan` adds up for the same slice (`memory.decoder_step`: the traced activations, and under autocast the
+weight copies). Each checkpointing setting in float32, and under bf16 autocast (CPU
+autocast; the plan's float32 trace is an upper bound there).
 """
 
 from __future__ import annotations
@@ -41,14 +41,12 @@ def planned_bytes(config, setting: str, autocast: bool, batch: int, seq_len: int
     """The plan's bytes for the slice's decoder: activations (float32 trace) and, under autocast, weight copies
     (the compute dtype's bytes per trainable Linear parameter of the decoder; the slice runs no head)."""
     from tcal.student.convert import meta_student
-    from tcal.tools.plan import autocast_copies, decoder_activations, dtype_bytes, trace_decoder
+    from tcal.tools.plan.memory import decoder_step, dtype_bytes
 
     student = meta_student(config, [0]).train().requires_grad_(True)
     student.lm_head.requires_grad_(False)
-    trace = trace_decoder(student, batch, seq_len, "cpu")
-    activations = decoder_activations(trace, len(student.config.keep_layers), len(student.config.gdn_layers))
-    copies = autocast_copies(student, "distill")[setting] * dtype_bytes(torch.bfloat16) if autocast else 0
-    return activations[setting] + copies
+    step = decoder_step(student, batch, seq_len, torch.float32, "cpu")
+    return step.activations[setting] + (step.autocast_params[setting] * dtype_bytes(torch.bfloat16) if autocast else 0)
 
 
 def measure_slice(overrides: list[str], setting: str, autocast: bool, batch: int, seq_len: int) -> dict:

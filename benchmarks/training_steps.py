@@ -96,7 +96,8 @@ def bench_plan(overrides=(), batch: int = PLAN_BATCH[0], seq_len: int = PLAN_BAT
     what the plan counts and what the target is about) and with glibc's defaults (what a CPU run shows; the
     difference is free memory glibc keeps). SmolLM2 by default: the real teacher, float32."""
     from tcal.settings.compose import settings_for
-    from tcal.tools.plan import GB, make_plan
+    from tcal.tools.plan import make_plan
+    from tcal.tools.plan.memory import GB
 
     cfg = settings_for(*plan_overrides(overrides, batch, seq_len, steps))
     plan = make_plan(cfg)

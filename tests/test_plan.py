@@ -5,6 +5,7 @@ errors as one line with exit code 2."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
@@ -13,17 +14,15 @@ from conftest import compose, make_teacher
 from tcal.errors import ConfigError
 from tcal.retention.uniform import uniform_layers
 from tcal.runtime.distributed import world_size
+from tcal.settings.fields import TRAIN, setting
+from tcal.settings.stage import DistillSettings
 from tcal.student.convert import build_student, meta_student
 from tcal.teachers.load import meta_model, parameter_count, teacher_architecture
-from tcal.tools.plan import (
-    SavedTensors,
-    build_model,
-    main,
-    make_plan,
-    stage_memory,
-    trace_alignment,
-    trace_decoder,
-)
+from tcal.tools.plan import main, make_plan
+from tcal.tools.plan.cost import stage_flops
+from tcal.tools.plan.memory import build_model, stage_memory
+from tcal.tools.plan.output import format_plan
+from tcal.tools.plan.trace import SavedTensors, trace_alignment, trace_decoder
 
 # Parameter counts published with the paper teachers (model cards).
 PUBLISHED = {"qwen2_5_1_5b": 1.54e9, "qwen2_5_3b": 3.09e9, "llama3_2_3b": 3.21e9, "qwen3_8b": 8.19e9}
@@ -154,7 +153,7 @@ def tiny_plan(*overrides, device_gb: float = 80.0) -> dict:
 def distill_memory(*overrides):
     """Stage 2's per-device bytes on the tiny teacher (two of four layers kept)."""
     cfg = compose(*TINY_DISTILL, *overrides)
-    return stage_memory("distill", cfg.stage, cfg, build_model(cfg, [0, 2]), world_size(cfg.trainer), "cuda")
+    return stage_memory(cfg.stage, cfg, build_model(cfg, [0, 2]), world_size(cfg.trainer), "cuda")
 
 
 def test_strategies_shard_what_they_say():
@@ -178,6 +177,45 @@ def test_strategies_shard_what_they_say():
     full = distill_memory("trainer=fsdp", "trainer.devices=8", "trainer.precision=32-true")
     assert full.gathered == 4 * root + 2 * 8 * layer and not any(full.autocast.values())  # no policy in float32
     assert ddp.teacher == fsdp.teacher  # the frozen teacher is whole on every device
+
+
+@dataclass
+class MixersOnlyDistill(DistillSettings):
+    """A stage kind tcal-plan has never heard of: Stage 2's KL on the logits, training only the GDN mixers."""
+
+    name: str = setting("mixers_only_distill", affects=[TRAIN])
+    kind: str = setting("mixers_only_distill", affects=[TRAIN])
+
+    trains = "mixers"
+
+    def check(self) -> None:
+        """Not one of the kinds tcal runs (tcal.settings.stage.KINDS): a plan's, nothing to check."""
+
+
+def test_a_stage_kind_s_terms_come_from_its_settings():
+    """The plan asks a stage's settings what it trains, runs and costs, never its kind: a new kind whose settings
+    train only the mixers is planned with the mixers' gradients, optimizer states and FLOPs, the same student run
+    and the same KL as Stage 2, and is listed under its own name."""
+    cfg = compose(*TINY_DISTILL)
+    toy = MixersOnlyDistill(**{f.name: getattr(cfg.stage, f.name) for f in fields(DistillSettings)
+                               if f.name not in ("name", "kind")})
+    model = build_model(cfg, [0, 2])
+    distill, mixers_only = (stage_memory(node, cfg, model, 1, "cuda") for node in (cfg.stage, toy))
+    assert mixers_only.settings["trainable_params"] == model.gdn_params < model.student_params \
+        == distill.settings["trainable_params"]
+    for part in ("gradients", "optimizer"):  # the same bytes per trained parameter, of fewer parameters
+        assert getattr(mixers_only, part) * model.student_params == getattr(distill, part) * model.gdn_params > 0
+    assert (mixers_only.weights, mixers_only.teacher, mixers_only.kl) == (distill.weights, distill.teacher, distill.kl)
+    assert set(mixers_only.activations) == set(distill.activations)  # the student's decoder runs in both
+    distill_flops, toy_flops = (stage_flops(node, model, 1)["flops_per_token_parts"] for node in (cfg.stage, toy))
+    assert toy_flops["teacher_forward"] == distill_flops["teacher_forward"]
+    assert 0 < toy_flops["trained"] < distill_flops["trained"]
+    cfg.stage = toy
+    plan = make_plan(cfg)
+    assert set(plan["stages"]) == {"calibration", "mixers_only_distill"}
+    assert set(plan["hours"]["stages"]) == {"mixers_only_distill"}
+    assert plan["stages"]["mixers_only_distill"]["trainable_params"] == plan["gdn_params"]
+    assert "mixers_only_distill" in format_plan(plan, "toy").splitlines()[7]  # the table's head
 
 
 def test_optimizer_and_weight_bytes_follow_the_precision():

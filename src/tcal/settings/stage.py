@@ -107,6 +107,25 @@ class TrainingStageSettings(StageSettings):
         return StageSteps(tokens_per_step, self.max_tokens // tokens_per_step,
                           max(round(self.eval_every_tokens / tokens_per_step), 1))
 
+    # What a step of this stage holds, trains, runs and costs, as `tcal-plan` counts it (tcal.tools.plan asks these,
+    # never the kind, so a new kind brings its own). Plain names: the settings import no torch.
+    trains = "student"  # what holds gradients and optimizer state: "student" (every parameter) or "mixers" (GDN)
+    runs = "decoder"  # what a step runs: "decoder" (the student on the batch) or "mixers" (each GDN mixer alone)
+
+    def checkpointing(self) -> str:
+        """What a step recomputes: activation_checkpointing (whole decoder layers), checkpoint_mixers or none."""
+        if self.activation_checkpointing:
+            return "activation_checkpointing"
+        return "checkpoint_mixers" if self.checkpoint_mixers else "none"
+
+    def stage_teacher_dtype(self, teacher_dtype: str) -> str:
+        """The dtype the frozen teacher runs in during this stage, `teacher.dtype` unless the stage sets its own."""
+        return teacher_dtype
+
+    def logit_kl_chunk(self) -> Optional[int]:
+        """Tokens per chunk of the fused KL on the logits (which runs the teacher's head too); None: no such loss."""
+        return None
+
 
 @declared
 @dataclass
@@ -114,6 +133,7 @@ class AlignSettings(TrainingStageSettings):
     """Stage 1: every GDN layer matches the teacher attention output; only GDN parameters train."""
 
     schema = "stage/align"
+    trains = runs = "mixers"  # the GDN mixers alone, on the inputs and attention outputs captured from the teacher
 
     name: str = setting("align", affects=[TRAIN])
     kind: str = setting("align", affects=[TRAIN])
@@ -127,6 +147,10 @@ class AlignSettings(TrainingStageSettings):
     def check(self) -> None:
         super().check()
         learning_rate("lr", self.lr)
+
+    def checkpointing(self) -> str:
+        """activation_checkpointing does not apply: the student's decoder does not run."""
+        return "checkpoint_mixers" if self.checkpoint_mixers else "none"
 
 
 @declared
@@ -157,6 +181,12 @@ class DistillSettings(TrainingStageSettings):
         non_negative("ce_weight", self.ce_weight)
         if self.teacher_dtype is not None:
             one_of("teacher_dtype", self.teacher_dtype, sorted(DTYPES))
+
+    def stage_teacher_dtype(self, teacher_dtype: str) -> str:
+        return self.teacher_dtype or teacher_dtype
+
+    def logit_kl_chunk(self) -> Optional[int]:
+        return self.kl_chunk_size
 
 
 @declared
