@@ -204,17 +204,20 @@ def test_a_plugin_that_cannot_be_used_is_one_line_naming_it(case, broken_plugins
 
 
 def test_a_failing_plugin_at_the_entry_points_is_one_line_and_exit_code_2(broken_plugins, tmp_path):
-    """At `tcal`'s entry and `tcal-plan`'s: exit code 2, one line naming the plugin, no traceback, nothing written."""
+    """At `tcal`'s entry, `tcal-plan`'s and `tcal-export`'s: exit code 2, one line naming the plugin, no traceback,
+    nothing written."""
     plugins, _, message = BROKEN_PLUGINS["raises"]
     env = {**os.environ, "TCAL_PLUGINS": plugins, "PYTHONPATH": f"{broken_plugins}{os.pathsep}{REPO / 'src'}",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    for command in (["tcal.cli.app", "experiment=smoke", "hydra.run.dir=run"], ["tcal.tools.plan", "teacher=tiny_llama"]):
+    for command in (["tcal.cli.app", "experiment=smoke", "hydra.run.dir=run"], ["tcal.tools.plan", "teacher=tiny_llama"],
+                    ["tcal.export.cli", "run", "exported", "--format", "tcal"]):
         done = subprocess.run([sys.executable, "-m", *command], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
-        assert re.search(rf"^tcal: configuration error: TCAL_PLUGINS={plugins!r}: .*{message}", lines[0]), lines[0]
-    assert not (tmp_path / "run").exists()
+        assert re.search(rf"^tcal(-export)?: configuration error: TCAL_PLUGINS={plugins!r}: .*{message}", lines[0]), \
+            lines[0]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "exported").exists()
 
 
 def test_a_failing_plugin_leaves_every_registry_as_it_was(broken_plugins, monkeypatch):
