@@ -13,10 +13,11 @@ import torch
 from conftest import make_teacher
 
 from tcal.export.cli import main as export_main
+from tcal.export.formats import REMOTE_CODE
 from tcal.export.parity import compare, parity_prompts
 from tcal.export.qwen3_5 import qwen3_5_model, torch_reference_kernels
 from tcal.export.refusal import ExportRefused, ParityFailed
-from tcal.export.write import EXPORT_RECORD, REMOTE_CODE, export
+from tcal.export.write import EXPORT_RECORD, export
 from tcal.store.files import MANIFEST
 from tcal.student.convert import build_student
 from tcal.student.export import export_student

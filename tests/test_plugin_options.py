@@ -1,19 +1,22 @@
 """A new init mode and a new retention policy are each one module plus one YAML, in a package of their own that
-`TCAL_PLUGINS` names: `tcal`, `tcal-plan` and the Python API run them with no other file changed; and no module
-outside the registry keeps a name -> class table of its own."""
+`TCAL_PLUGINS` names: `tcal`, `tcal-plan` and the Python API run them with no other file changed; a new export format
+and a new teacher family are one module each, in one such package; and no module outside the registry keeps a
+name -> class table or a tuple of option names of its own."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
-from conftest import REPO, isolated_cache_dir
+from conftest import REPO, isolated_cache_dir, make_teacher
 
 from tcal.errors import ConfigError
 
@@ -201,17 +204,20 @@ def test_a_plugin_that_cannot_be_used_is_one_line_naming_it(case, broken_plugins
 
 
 def test_a_failing_plugin_at_the_entry_points_is_one_line_and_exit_code_2(broken_plugins, tmp_path):
-    """At `tcal`'s entry and `tcal-plan`'s: exit code 2, one line naming the plugin, no traceback, nothing written."""
+    """At `tcal`'s entry, `tcal-plan`'s and `tcal-export`'s: exit code 2, one line naming the plugin, no traceback,
+    nothing written."""
     plugins, _, message = BROKEN_PLUGINS["raises"]
     env = {**os.environ, "TCAL_PLUGINS": plugins, "PYTHONPATH": f"{broken_plugins}{os.pathsep}{REPO / 'src'}",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    for command in (["tcal.cli.app", "experiment=smoke", "hydra.run.dir=run"], ["tcal.tools.plan", "teacher=tiny_llama"]):
+    for command in (["tcal.cli.app", "experiment=smoke", "hydra.run.dir=run"], ["tcal.tools.plan", "teacher=tiny_llama"],
+                    ["tcal.export.cli", "run", "exported", "--format", "tcal"]):
         done = subprocess.run([sys.executable, "-m", *command], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
-        assert re.search(rf"^tcal: configuration error: TCAL_PLUGINS={plugins!r}: .*{message}", lines[0]), lines[0]
-    assert not (tmp_path / "run").exists()
+        assert re.search(rf"^tcal(-export)?: configuration error: TCAL_PLUGINS={plugins!r}: .*{message}", lines[0]), \
+            lines[0]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "exported").exists()
 
 
 def test_a_failing_plugin_leaves_every_registry_as_it_was(broken_plugins, monkeypatch):
@@ -233,10 +239,224 @@ def test_a_failing_plugin_leaves_every_registry_as_it_was(broken_plugins, monkey
         assert {r.kind: dict(r._options) for r in (INIT_MODES, POLICIES)} == before
 
 
+TOY_FORMAT = '''
+"""`toy`: tcal's checkpoint with a note in its config.json and a file of its own (a toy export format)."""
+from tcal.export.formats import TcalFormat
+from tcal.registry import EXPORT_FORMATS
+
+NOTE = "written by the toy format"
+
+
+class NotedFormat(TcalFormat):
+    def edit_config(self, config: dict, folder) -> None:
+        config["toy_note"] = NOTE
+        (folder / "TOY_NOTE.txt").write_text(NOTE + "\\n")
+
+    def after_parity(self, student, folder, prompts, serve_python) -> dict:
+        return {"toy_note": (folder / "TOY_NOTE.txt").read_text().strip()}
+
+
+EXPORT_FORMATS.declare("toy", NotedFormat())
+'''
+
+TOY_FAMILY = '''
+"""`toy_llama`: a teacher family (`model_type: toy_llama`) laid out as Llama; it counts the teachers it checked."""
+from dataclasses import dataclass
+
+from tcal.registry import TEACHER_FAMILIES
+from tcal.teachers.base import TeacherAdapter
+
+CHECKED = []
+
+
+@dataclass(frozen=True)
+class CountingAdapter(TeacherAdapter):
+    def check(self, model) -> None:
+        CHECKED.append(model.config.model_type)
+        super().check(model)
+
+
+TEACHER_FAMILIES.declare("toy_llama", CountingAdapter(family="toy_llama", dropped=("q_proj.bias",)))
+'''
+
+
+@pytest.fixture
+def toy_kinds(tmp_path, monkeypatch):
+    """A package of a toy export format and a toy teacher family (two modules, no __init__.py) named by TCAL_PLUGINS
+    in this process; every registry as it was afterwards."""
+    from tcal.registry import ALL_REGISTRIES, PLUGINS_ENV
+
+    package = tmp_path / "plugins" / "toy_kinds"
+    package.mkdir(parents=True)
+    (package / "toy_format.py").write_text(textwrap.dedent(TOY_FORMAT).lstrip())
+    (package / "toy_family.py").write_text(textwrap.dedent(TOY_FAMILY).lstrip())
+    before = [(registry, dict(registry._options), registry._loaded) for registry in ALL_REGISTRIES]
+    monkeypatch.syspath_prepend(str(package.parent))
+    monkeypatch.setenv(PLUGINS_ENV, "toy_kinds")
+    yield package
+    for registry, options, loaded in before:
+        registry._options, registry._loaded = options, loaded
+    for name in [name for name in sys.modules if name == "toy_kinds" or name.startswith("toy_kinds.")]:
+        del sys.modules[name]
+
+
+def test_a_plugin_export_format_writes_through_tcal_export(toy_kinds, tmp_path, capsys):
+    from tcal.export.cli import main as export_main
+    from tcal.export.write import EXPORT_RECORD, export
+    from tcal.student.convert import build_student
+    from tcal.student.export import export_student
+
+    folder = export_student(build_student(make_teacher("llama"), [0, 2]), None, tmp_path / "student")
+    record = export(folder, tmp_path / "toy", "toy")
+    note = sys.modules["toy_kinds.toy_format"].NOTE
+    assert json.loads((tmp_path / "toy" / "config.json").read_text())["toy_note"] == note
+    assert record["format"] == "toy" and record["parity"]["passed"] and record["toy_note"] == note
+    assert json.loads((tmp_path / "toy" / EXPORT_RECORD).read_text()) == record
+    with pytest.raises(SystemExit) as refused:  # the CLI's choices are the registry's, the plugin's among them
+        export_main([str(folder), str(tmp_path / "nope"), "--format", "nope"])
+    assert refused.value.code == 2
+    assert re.search(r"invalid choice: 'nope' \(choose from .*qwen3_5.*toy", capsys.readouterr().err)
+
+
+def test_a_plugin_teacher_family_is_picked_for_its_model_type(toy_kinds):
+    from tcal.preflight import check_family
+    from tcal.teachers import adapter_for
+
+    teacher = make_teacher("llama")
+    assert adapter_for(teacher).family == "llama"
+    teacher.config.model_type = "toy_llama"
+    adapter = adapter_for(teacher)
+    adapter.check(teacher)
+    assert adapter.family == "toy_llama" and sys.modules["toy_kinds.toy_family"].CHECKED == ["toy_llama"]
+    assert adapter.attention(teacher, 1) is teacher.model.layers[1].self_attn
+    check_family(types.SimpleNamespace(architecture=None, config={"model_type": "toy_llama"}))  # before any work
+    with pytest.raises(ValueError, match=r"unsupported teacher architecture 'mistral'; supported: llama, qwen2, "
+                                         r"qwen3, toy_llama"):
+        adapter_for(types.SimpleNamespace(model_type="mistral"))
+
+
+def test_a_plugin_s_modules_are_those_at_its_top_and_none_needs_an_init_file(toy_kinds):
+    """The registries import each module directly inside a plugin package (a namespace package: no __init__.py); a
+    module in a subfolder is not imported (docs/usage.md, "In a package of your own")."""
+    from tcal.registry import EXPORT_FORMATS
+
+    (toy_kinds / "more").mkdir()
+    (toy_kinds / "more" / "extra.py").write_text(
+        "from tcal.export.formats import TcalFormat\nfrom tcal.registry import EXPORT_FORMATS\n"
+        "EXPORT_FORMATS.declare('extra', TcalFormat())\n")
+    assert not list(toy_kinds.rglob("__init__.py"))
+    assert "toy" in EXPORT_FORMATS and "extra" not in EXPORT_FORMATS
+
+
+def test_a_settings_class_that_keeps_its_base_s_name_runs_the_base_s_option(toy_kinds):
+    """Why a plugin's settings class redeclares `name` (docs/usage.md): the run calls the option its settings name,
+    and a class that does not redeclare it carries its base's name when built in Python."""
+    from tcal.registry import INIT_MODES
+
+    (toy_kinds / "unnamed.py").write_text(textwrap.dedent('''
+        from dataclasses import dataclass
+
+        from tcal.registry import INIT_MODES
+        from tcal.settings.fields import INIT, declared, setting
+        from tcal.settings.init import InitSettings
+
+
+        @declared
+        @dataclass
+        class UnnamedSettings(InitSettings):
+            scale: float = setting(0.5, affects=[INIT])
+
+
+        @INIT_MODES.option("unnamed", UnnamedSettings)
+        def unnamed(gdns, init, ctx) -> dict:
+            return {"scale": init.scale}
+    '''))
+    built = INIT_MODES["unnamed"].settings(scale=0.25)
+    assert INIT_MODES["unnamed"].make_settings(scale=0.25).name == "unnamed"
+    assert built.name == "naive" and INIT_MODES[built.name].implementation is not INIT_MODES["unnamed"].implementation
+
+
+def option_tables(text: str, option_names: list[set[str]]) -> list[int]:
+    """The lines of `text` that write a table of options: a dict literal from a name to a class or function named in
+    CamelCase (`{"align": AlignStage}`), to a registry entry's `.implementation`, or, from an option's name, to a module
+    attribute (`{"full": taylor.calibrated}`); or a constant holding every name of one kind's options, as a tuple, list
+    or set (`FORMATS = ("tcal", "hf", "qwen3_5", "vllm")`). `option_names` holds each kind's names. A sort order
+    (`INIT_ORDER`: the paper's order, other names after it) is not a table."""
+    def names_option(node) -> bool:
+        return isinstance(node, ast.Constant) and any(node.value in names for names in option_names)
+
+    def table_value(key, value) -> bool:
+        if isinstance(value, ast.Name):
+            return re.fullmatch(r"[A-Z][a-z0-9]+\w*", value.id) is not None
+        if not isinstance(value, ast.Attribute) or value.attr.startswith("__"):
+            return False
+        return value.attr == "implementation" or (isinstance(value.value, ast.Name) and names_option(key))
+
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Dict):
+            pairs = [(k, v) for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)
+                     and isinstance(k.value, str)]
+            if any(table_value(key, value) for key, value in pairs):
+                found.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, (ast.Tuple, ast.List, ast.Set)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id.endswith("_ORDER") for t in targets):
+                continue
+            values = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+            if len(values) == len(node.value.elts) >= 2 and any(set(values) == names for names in option_names):
+                found.append(node.lineno)
+    return found
+
+
+def every_kinds_names() -> list[set[str]]:
+    from tcal.registry import ALL_REGISTRIES
+
+    return [set(registry._options) for registry in ALL_REGISTRIES]
+
+
+# Tables each kind had before it was a registry, and what is no table (a dtype map, RULER's tasks, a subset of a
+# kind's names, a sort order, a record's entries, a loop over names)
+OLD_TABLES = ('STAGES = {"align": AlignStage, "distill": DistillStage}',
+              'FORMATS = ("tcal", "hf", "qwen3_5", "vllm")',
+              'VLLM_FAMILIES = ("llama", "qwen2", "qwen3")',
+              'KINDS = ("align", "distill")',
+              'layer_class = {"qwen2": Qwen2DecoderLayer, "qwen3": Qwen3DecoderLayer}.get(family)',
+              'MODES = {"full": CalibratedInitSettings, "naive": InitSettings}',
+              'CALLS = {"full": INIT_MODES["full"].implementation}',
+              'POLICY_FUNCTIONS = {"uniform": uniform.uniform}')
+NO_TABLES = ('DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}',
+             'RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")',
+             'EFFICIENCY_STAGES = ("distill", "align_distill", "none")',
+             'ZERO_SHOT_STAGES = ("none",)',
+             'PHASES = ("phase1", "phase2")',
+             'POLICY_ORDER = ("uniform", "ar", "ga_s2", "recall", "explicit")',
+             'engine = {"vllm": vllm.__version__, "architecture": config.model_config.architecture}',
+             'for kind in ("align", "distill"): pass')
+
+
+@pytest.mark.parametrize("line", OLD_TABLES)
+def test_the_table_guard_catches_every_kinds_old_table(line):
+    assert option_tables(line, every_kinds_names()) == [1]
+
+
+@pytest.mark.parametrize("line", NO_TABLES)
+def test_the_table_guard_leaves_what_is_no_table(line):
+    assert option_tables(line, every_kinds_names()) == []
+
+
 def test_no_name_to_class_table_outside_the_registry():
-    """A dict literal mapping an option's name to a settings class or to an implementation is the registry's
-    job (`tcal.registry`), derived from it everywhere else."""
-    table = re.compile(r"""["'][a-z_0-9]+["']\s*:\s*(?:[A-Z]\w*Settings\b|[a-z_]+\.implementation\b)""")
-    found = [f"{path.relative_to(REPO)}:{n}" for path in sorted((REPO / "src" / "tcal").rglob("*.py"))
-             for n, line in enumerate(path.read_text().splitlines(), 1) if table.search(line)]
+    """A table of options (`option_tables`: a name -> class or implementation dict, a tuple of option names) is the
+    registry's job (`tcal.registry`), derived from it everywhere else."""
+    names = every_kinds_names()
+    exempt = {REPO / "src" / "tcal" / "registry.py", REPO / "src" / "tcal" / "export" / "remote"}  # remote: shipped
+    found = [f"{path.relative_to(REPO)}:{line}" for path in sorted((REPO / "src" / "tcal").rglob("*.py"))
+             if not exempt & {path, *path.parents} for line in option_tables(path.read_text(), names)]
+    assert found == []
+
+
+def test_no_module_imports_by_name_outside_the_registry():
+    """Only the registry imports a module by its name (an option's dotted path, a plugin's modules)."""
+    found = [path.relative_to(REPO).as_posix() for path in sorted((REPO / "src" / "tcal").rglob("*.py"))
+             if "import_module" in path.read_text() and path.relative_to(REPO).as_posix() != "src/tcal/registry.py"]
     assert found == []

@@ -148,6 +148,26 @@ def test_only_the_converter_and_the_entry_points_read_a_dictconfig():
     assert set(readers) <= allowed, set(readers) - allowed
 
 
+def test_every_declared_path_of_every_kind_resolves():
+    """Each registry entry names a module and attribute that exist; a vLLM family's module needs vLLM, so its
+    functions are found in the module's source instead of by importing it."""
+    import ast
+    import importlib.util
+
+    from tcal.registry import ALL_REGISTRIES, TEACHER_FAMILIES, VLLM_FAMILIES
+
+    for registry in ALL_REGISTRIES:
+        for option in registry.options():
+            if registry is VLLM_FAMILIES:
+                module, _, name = option.implementation_at.partition(":")
+                tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+                assert name in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, option
+                continue
+            assert option.implementation is not None or option.name == "none", option
+            assert option.settings is None or issubclass(option.settings, Settings), option
+    assert VLLM_FAMILIES.names() == TEACHER_FAMILIES.names()  # the plugin serves every family tcal converts
+
+
 def test_the_implementations_serve_exactly_the_names_the_settings_allow():
     from tcal.data.documents import SOURCES
     from tcal.init.calibration.phase1 import PHASE1_RULES
@@ -155,10 +175,9 @@ def test_the_implementations_serve_exactly_the_names_the_settings_allow():
     from tcal.settings.compose import group_options
     from tcal.settings.data import SOURCES as DATA_SOURCES
     from tcal.settings.init import PHASE1_RULES as RULES
-    from tcal.settings.stage import KINDS
+    from tcal.registry import STAGE_KINDS
     from tcal.settings.teacher import DTYPES as DTYPE_NAMES
     from tcal.teachers.load import DTYPES
-    from tcal.training.stages import STAGES
 
     assert INIT_MODES.names() == group_options("init") and len(INIT_MODES.names()) == 7
     assert POLICIES.names() == group_options("retention") and len(POLICIES.names()) == 5
@@ -166,7 +185,9 @@ def test_the_implementations_serve_exactly_the_names_the_settings_allow():
     assert all(callable(o.implementation) for o in (*INIT_MODES.options(), *POLICIES.options()))  # paths resolve
     assert tuple(PHASE1_RULES) == RULES
     assert sorted(SOURCES) == sorted(DATA_SOURCES)
-    assert sorted(STAGES) == sorted(KINDS)
+    assert STAGE_KINDS.names() == ["align", "distill"]
+    for option in STAGE_KINDS.options():  # the module and the settings of each kind are that kind's
+        assert option.implementation.kind == option.name and option.settings().kind == option.name
     assert sorted(DTYPES) == sorted(DTYPE_NAMES)
 
 

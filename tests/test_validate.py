@@ -121,7 +121,7 @@ CASES = [
     (["teacher.config.model_type=gpt2"], r"teacher.config.model_type='gpt2'; expected one of llama, qwen2, qwen3"),
     (["teacher.tokenizer=null"], r"teacher.tokenizer=None; teacher 'tiny_llama' is random weights of "
                                  r"teacher.config and names no tokenizer"),
-    (["eval.ruler=null"], r"eval.ruler=None; expected an option of eval/ruler: none, default"),
+    (["eval.ruler=null"], r"eval.ruler=None; expected an option of eval/ruler: default, none"),
     (["teacher.config.vocab_size=1000"], r"teacher.config.vocab_size: the teacher's embedding has 1000 rows, fewer "
                                          r"than its tokenizer's 49152 ids"),
     # values that could not mean anything, once accepted and failing late with a message about something else

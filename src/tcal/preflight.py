@@ -157,13 +157,13 @@ def check_teacher(teacher) -> None:
 def check_family(teacher) -> None:
     """`teacher.architecture` and `teacher.config` name a family this project converts (a teacher of `path` says
     its family when its config.json is read, before any work: `check_loaded`)."""
-    from tcal.teachers import ADAPTERS
+    from tcal.registry import TEACHER_FAMILIES
 
     for key in ("architecture", "config"):
         node = getattr(teacher, key)
-        if node is not None and node.get("model_type") not in ADAPTERS:
+        if node is not None and node.get("model_type") not in TEACHER_FAMILIES:
             raise ConfigError(f"teacher.{key}.model_type={node.get('model_type')!r}; expected one of "
-                              f"{', '.join(sorted(ADAPTERS))}")
+                              f"{', '.join(TEACHER_FAMILIES.names())}")
 
 
 def check_pretrained_path(key: str, path: str, model: bool) -> None:

@@ -1,14 +1,17 @@
-"""The options of the pluggable groups (init modes, retention policies): each an `Option` that names its settings
-class and its implementation. Every name -> class or name -> function table is read from here.
+"""Every pluggable kind of tcal is a `Registry` of `Option`s here: init modes, retention policies, the lm-eval
+harnesses and RULER (`eval/harness`, `eval/ruler`), training stage kinds, export formats, the vLLM families the
+serving plugin builds and the teacher families the conversion reads. Every name -> class or name -> function table
+is read from here; nothing else names an option.
 
-An option is one module plus one YAML, and one line naming them: tcal's own are the `declare` lines at the end of
-this file, each a dotted path "module:attribute" imported on first use (a settings class, from the light
-`tcal.settings`, when a name is checked; the function only when it runs: settings build and compose without option
-code or torch). The YAML (`conf/init/rescale.yaml`) opens with the schema the registry builds from the settings
-class (`- /schema/init/rescale@_here_`). A plugin is a package named in `TCAL_PLUGINS` (comma-separated,
-importable): the registries import its modules when first asked, each registering its option with one decorator
-(`@INIT_MODES.option("rescale", RescaleSettings)` above the function) or one `declare` line, and the `conf/` folder
-beside them holds their YAMLs, searched after tcal's own (`plugin_conf_dirs`). Nothing else names an option.
+An option is one module (plus one YAML where it is a config group's option), and one line naming them: tcal's own
+are the `declare` lines at the end of this file, each a dotted path "module:attribute" imported on first use (a
+settings class, from the light `tcal.settings`, when a name is checked; the implementation only when it runs:
+settings build and compose without option code or torch). A config group's YAML (`conf/init/rescale.yaml`) opens
+with the schema the registry builds from the settings class (`- /schema/init/rescale@_here_`). A plugin is a package
+named in `TCAL_PLUGINS` (comma-separated, importable): the registries import its modules when first asked, each
+registering its option with one decorator (`@INIT_MODES.option("rescale", RescaleSettings)` above the function) or
+one `declare` line (`EXPORT_FORMATS.declare("onnx", OnnxFormat())`), and the `conf/` folder beside them holds their
+YAMLs, searched after tcal's own (`plugin_conf_dirs`).
 
 A plugin that cannot be used (not importable, a plain module rather than a package, a module that raises, a name
 that is taken) is a `PluginError`: one line naming the plugin and what to do; the registries are left as they were
@@ -41,13 +44,14 @@ def resolve(target: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One choice of a config group: `settings` is its closed settings class, `implementation` what it does (each
-    given as the object or as its dotted path, imported on first use), `defaults` the field values that tell it apart
-    from the other options of the same class (`phases` of phase1)."""
+    """One choice of a kind: `implementation` is what it does (a function, a class, an object), `settings` its closed
+    settings class where the choice is a config group's (None for kinds chosen outside the config: an export format, a
+    teacher family), each given as the object or as its dotted path, imported on first use; `defaults` the field
+    values that tell it apart from the other options of the same class (`phases` of phase1)."""
 
     name: str
-    settings_at: type | str
-    implementation_at: Callable | str | None
+    settings_at: type | str | None
+    implementation_at: Any
     defaults: dict
 
     @property
@@ -55,7 +59,7 @@ class Option:
         return resolve(self.settings_at)
 
     @property
-    def implementation(self) -> Callable | None:
+    def implementation(self) -> Any:
         return resolve(self.implementation_at)
 
     def make_settings(self, **changes: Any):
@@ -64,12 +68,15 @@ class Option:
 
 
 class Registry:
-    def __init__(self, kind: str, group: str):
+    """The options of one kind, by name. `kind` names it in messages ("init mode"); `group` is the config group whose
+    schemas it builds (`/schema/<group>/<name>`), None for a kind the config does not choose by `name`."""
+
+    def __init__(self, kind: str, group: str | None = None):
         self.kind, self.group = kind, group
         self._options: dict[str, Option] = {}
         self._loaded: tuple[str, ...] | None = None  # the plugin packages loaded with it (TCAL_PLUGINS may change)
 
-    def declare(self, name: str, implementation: Callable | str | None, settings: type | str, **defaults: Any):
+    def declare(self, name: str, implementation: Any, settings: type | str | None = None, **defaults: Any):
         """Option `name`: `implementation` with settings of class `settings`, each an object or a dotted path."""
         if name in self._options:
             at = self._options[name].implementation_at
@@ -78,8 +85,8 @@ class Registry:
         self._options[name] = Option(name, settings, implementation, dict(defaults))
         return implementation
 
-    def option(self, name: str, settings: type, **defaults: Any) -> Callable[[Callable | None], Callable | None]:
-        """Decorator: register the function below as option `name`, its settings of class `settings`."""
+    def option(self, name: str, settings: type | None = None, **defaults: Any) -> Callable[[Any], Any]:
+        """Decorator: register the function (or class) below as option `name`, its settings of class `settings`."""
         return lambda implementation: self.declare(name, implementation, settings, **defaults)
 
     def load(self) -> None:
@@ -90,7 +97,7 @@ class Registry:
         if self._loaded == plugins:
             return
         for plugin in plugins:
-            before = [(registry, dict(registry._options)) for registry in (*REGISTRIES, self)]
+            before = [(registry, dict(registry._options)) for registry in (*ALL_REGISTRIES, self)]
             try:
                 for module in pkgutil.iter_modules(plugin_package(plugin).__path__):
                     import_plugin_module(plugin, f"{plugin}.{module.name}")
@@ -181,4 +188,40 @@ POLICIES.declare("ar", "tcal.retention.ar:ar", "tcal.settings.retention:ScoredRe
 POLICIES.declare("ga_s2", "tcal.retention.ga_s2:ga_s2", "tcal.settings.retention:GaS2RetentionSettings")
 POLICIES.declare("recall", "tcal.retention.recall:recall", "tcal.settings.retention:RecallRetentionSettings")
 
-REGISTRIES = (INIT_MODES, POLICIES)
+# `eval/harness` and `eval/ruler`: the implementation takes (ctx, student) and returns the results.json entry (None:
+# the option measures nothing)
+HARNESSES = Registry("lm-eval harness", "eval/harness")
+HARNESSES.declare("none", None, "tcal.settings.evaluation:HarnessSettings")
+HARNESSES.declare("local", "tcal.evaluate.suite:local_harness", "tcal.settings.evaluation:LocalHarnessSettings")
+HARNESSES.declare("paper", "tcal.evaluate.suite:paper_harness", "tcal.settings.evaluation:PaperHarnessSettings")
+
+RULERS = Registry("RULER", "eval/ruler")
+RULERS.declare("none", None, "tcal.settings.evaluation:RulerSettings")
+RULERS.declare("default", "tcal.evaluate.suite:needle_ruler", "tcal.settings.evaluation:NeedleRulerSettings")
+
+# `stage.kind`: the stage's LightningModule and settings class (a sequence of stages names them in `stage.sequence`)
+STAGE_KINDS = Registry("stage kind")
+STAGE_KINDS.declare("align", "tcal.training.stages:AlignStage", "tcal.settings.stage:AlignSettings")
+STAGE_KINDS.declare("distill", "tcal.training.stages:DistillStage", "tcal.settings.stage:DistillSettings")
+
+# `tcal-export --format`: an `ExportFormat` (tcal.export.formats) that checks, writes and reloads the student
+EXPORT_FORMATS = Registry("export format")
+EXPORT_FORMATS.declare("tcal", "tcal.export.formats:TCAL")
+EXPORT_FORMATS.declare("hf", "tcal.export.formats:HF")
+EXPORT_FORMATS.declare("qwen3_5", "tcal.export.qwen3_5:QWEN3_5")
+EXPORT_FORMATS.declare("vllm", "tcal.export.formats:VLLM")
+
+# A student's teacher `model_type` -> the function building its kept layers in vLLM (tcal.serving.vllm_model)
+VLLM_FAMILIES = Registry("vLLM family")
+VLLM_FAMILIES.declare("llama", "tcal.serving.vllm_model:llama_layer")
+VLLM_FAMILIES.declare("qwen2", "tcal.serving.vllm_model:qwen2_layer")
+VLLM_FAMILIES.declare("qwen3", "tcal.serving.vllm_model:qwen3_layer")
+
+# A teacher config's `model_type` -> its `TeacherAdapter` (tcal.teachers.base): where its layers and attention are
+TEACHER_FAMILIES = Registry("teacher family")
+TEACHER_FAMILIES.declare("llama", "tcal.teachers.llama:LLAMA")
+TEACHER_FAMILIES.declare("qwen2", "tcal.teachers.qwen2:QWEN2")
+TEACHER_FAMILIES.declare("qwen3", "tcal.teachers.qwen3:QWEN3")
+
+CONFIG_GROUP_REGISTRIES = (INIT_MODES, POLICIES, HARNESSES, RULERS)  # each builds its group's schemas
+ALL_REGISTRIES = (*CONFIG_GROUP_REGISTRIES, STAGE_KINDS, EXPORT_FORMATS, VLLM_FAMILIES, TEACHER_FAMILIES)

@@ -16,6 +16,7 @@ import torch
 
 from tcal.data.documents import Document, eval_sets, token_windows
 from tcal.evaluate.validation import validate_windows
+from tcal.registry import HARNESSES, RULERS
 from tcal.settings.relevance import cache_settings
 from tcal.store.cache import built_pairs, get_or_build_each, json_codec
 from tcal.store.fingerprint import digest, teacher_fingerprint, tokenizer_digest
@@ -100,27 +101,39 @@ def perplexities(ctx, student) -> dict:
 
 
 def harness(ctx, student) -> dict | None:
-    """{"teacher": {task: {metric: value}}, "student": {...}} on rank 0, None on the other ranks and when
-    `eval.harness.name` is none. Every rank calls this: each scores its share of every task's documents
-    (`tcal.evaluate.ranked_lm`), and rank 0 aggregates."""
+    """{"teacher": {task: {metric: value}}, "student": {...}} on rank 0, None on the other ranks and for a harness
+    that measures nothing (`none`): the implementation of the `eval/harness` option chosen (`tcal.registry.HARNESSES`).
+    Every rank calls this."""
+    implementation = HARNESSES[ctx.settings.eval.harness.name].implementation
+    return implementation(ctx, student) if implementation is not None else None
+
+
+def local_harness(ctx, student) -> dict | None:
+    """`eval/harness=local`: lm-eval on tasks built from the held-out documents, offline (`local_tasks`)."""
+    from tcal.evaluate import local_tasks
+
+    harness, docs = ctx.settings.eval.harness, ctx.splits.evaluation
+    folder = ctx.cache_dir / "local_tasks" / digest(_docs_digest(docs), cache_settings("harness", ctx.settings))
+    tasks = ctx.ranks.decide(lambda: local_tasks.build_local_tasks([d.text for d in docs], folder,
+                                                                   int(harness.seed), int(harness.n_examples)))
+    return run_harness(ctx, student, [(tasks, None)], include=folder, offline=True)
+
+
+def paper_harness(ctx, student) -> dict | None:
+    """`eval/harness=paper`: the paper's zero-shot tasks, then each few-shot task with its shots (the dataset hub)."""
+    from tcal.evaluate import local_tasks
+
+    ctx.ranks.decide(local_tasks.check_paper_tasks_available)
+    runs = [(list(local_tasks.PAPER_TASKS), None), *[([t], shots) for t, shots in local_tasks.PAPER_FEWSHOT_TASKS]]
+    return run_harness(ctx, student, runs, include=None, offline=False)
+
+
+def run_harness(ctx, student, runs: list[tuple[list[str], int | None]], include, offline: bool) -> dict | None:
+    """Teacher (cached) and student on every (tasks, shots) of `runs`: each rank scores its share of every task's
+    documents (`tcal.evaluate.ranked_lm`), and rank 0 aggregates."""
     from tcal.evaluate import local_tasks
 
     harness = ctx.settings.eval.harness
-    if harness.name == "none":
-        return None
-    docs = ctx.splits.evaluation
-    if harness.name == "local":
-        folder = ctx.cache_dir / "local_tasks" / digest(_docs_digest(docs), cache_settings("harness", ctx.settings))
-        tasks = ctx.ranks.decide(lambda: local_tasks.build_local_tasks([d.text for d in docs], folder,
-                                                                       int(harness.seed), int(harness.n_examples)))
-        runs = [(tasks, None)]
-        include, offline = folder, True
-    elif harness.name == "paper":
-        ctx.ranks.decide(local_tasks.check_paper_tasks_available)
-        runs = [(list(local_tasks.PAPER_TASKS), None), *[([t], shots) for t, shots in local_tasks.PAPER_FEWSHOT_TASKS]]
-        include, offline = None, False
-    else:
-        raise ValueError(f"eval.harness.name={harness.name!r}; expected local, paper or none")
 
     def run(model):
         out = {}
@@ -132,23 +145,28 @@ def harness(ctx, student) -> dict | None:
                 out.update(figures or {})
         return out if ctx.ranks.is_main else None
 
-    settings = {"docs": _docs_digest(docs), **cache_settings("harness", ctx.settings)}
+    settings = {"docs": _docs_digest(ctx.splits.evaluation), **cache_settings("harness", ctx.settings)}
     teacher = cached_teacher(ctx, "harness", settings, lambda: run(ctx.teacher), collective=True)
     student_figures = run(student)
     return {"teacher": teacher, "student": student_figures} if ctx.ranks.is_main else None
 
 
 def ruler(ctx, student) -> dict | None:
-    """{"teacher": {length: {task: score}}, "student": {...}, "n": {length: {task: examples}}, "summary": {role:
-    {"needle" | "other" | "all": {mean, se, n}}}} or None when `eval.ruler.name` is none (`ruler_summary`). Every
+    """The implementation of the `eval/ruler` option chosen (`tcal.registry.RULERS`), None for `none`. Every rank
+    calls this."""
+    implementation = RULERS[ctx.settings.eval.ruler.name].implementation
+    return implementation(ctx, student) if implementation is not None else None
+
+
+def needle_ruler(ctx, student) -> dict:
+    """`eval/ruler=default`: {"teacher": {length: {task: score}}, "student": {...}, "n": {length: {task: examples}},
+    "summary": {role: {"needle" | "other" | "all": {mean, se, n}}}} (`ruler_summary`). Every
     rank calls this: each generates its share of the examples (`cell_scores` with the run's ranks). The teacher's
     score of each (length, task) is an entry of its own (`ruler_cell_settings`), so a run asking for cells another
     run measured, alone or among others, reuses them."""
     from tcal.evaluate.ruler import cell_scores, ruler_summary
 
     ruler = ctx.settings.eval.ruler
-    if ruler.name == "none":
-        return None
     docs = [d.text for d in ctx.splits.evaluation]
     cells = [(int(length), task) for length in ruler.lengths for task in ruler.tasks]
 

@@ -1,4 +1,5 @@
-"""The student outside tcal: `tcal-export SOURCE DEST --format {tcal,hf,qwen3_5,vllm}` (`tcal.export.cli`).
+"""The student outside tcal: `tcal-export SOURCE DEST --format {tcal,hf,qwen3_5,vllm}` (`tcal.export.cli`); each
+format an `ExportFormat` (`tcal.export.formats`) named in `tcal.registry.EXPORT_FORMATS`, where a plugin adds more.
 
 - `tcal`: the hybrid as tcal saves it (`model_type: tcal_hybrid`; loading needs `import tcal`).
 - `hf`: the same checkpoint plus its own modeling code (`remote/modeling_tcal_hybrid.py`, torch and transformers
@@ -9,5 +10,3 @@
 Every export is written into a temporary sibling of DEST, reloaded from there, compared with the student on fixed
 prompts (`tcal.export.parity`), and moved into place only when the comparison passes (`tcal.export.write`).
 """
-
-FORMATS = ("tcal", "hf", "qwen3_5", "vllm")

@@ -1,4 +1,4 @@
-"""`tcal-export SOURCE DEST --format {tcal,hf,qwen3_5,vllm}`: the student in a form other software loads.
+"""`tcal-export SOURCE DEST --format {tcal,hf,qwen3_5,vllm,...}`: the student in a form other software loads.
 
     tcal-export outputs/run/ exported/ --format vllm --serve-python .venv-serve/bin/python
 
@@ -6,7 +6,8 @@ SOURCE is a run folder (its student/) or a student folder. DEST is written whole
 hold the student exactly, a damaged SOURCE, or a DEST that is the source, a run's own folders or record, or a
 folder this user cannot write is refused in one line (exit 2); an export that does not reproduce the student on the
 fixed prompts, or a write the filesystem refuses midway, is not written (exit 1). What the check measured is in
-DEST/tcal_export.json.
+DEST/tcal_export.json. The formats are those of `tcal.registry.EXPORT_FORMATS`, a `TCAL_PLUGINS` package's among
+them.
 """
 
 from __future__ import annotations
@@ -18,18 +19,22 @@ import sys
 from pathlib import Path
 
 from tcal.errors import ConfigError, config_error_exit
-from tcal.export import FORMATS
 from tcal.export.parity import LOGIT_TOLERANCE
 from tcal.export.refusal import ParityFailed
+from tcal.registry import EXPORT_FORMATS, PluginError
 
 PROGRAM = "tcal-export"
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        formats = EXPORT_FORMATS.names()
+    except PluginError as err:
+        config_error_exit(err, PROGRAM)
     parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, help="a run folder (its student/) or a student folder")
     parser.add_argument("dest", type=Path, help="the folder to write (new, empty, or an earlier export)")
-    parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
+    parser.add_argument("--format", required=True, choices=formats, dest="fmt")
     parser.add_argument("--tolerance", type=float, default=LOGIT_TOLERANCE,
                         help=f"largest float32 |logit difference| accepted (default {LOGIT_TOLERANCE:g})")
     parser.add_argument("--serve-python", type=Path,

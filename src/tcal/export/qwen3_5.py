@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 
 import torch
 
+from tcal.export.formats import ExportFormat
+from tcal.export.parity import Parity, compare
 from tcal.export.refusal import ExportRefused
 
 CONV_KERNEL = 4  # Qwen3.5's short-conv width; the identity conv puts its single 1 on the last tap
@@ -189,3 +192,33 @@ def torch_reference_kernels():
     finally:
         for name, bound in before.items():
             setattr(modeling_qwen3_5, name, bound)
+
+
+class Qwen35Format(ExportFormat):
+    """`--format qwen3_5`: a Qwen3-family student as stock `Qwen3_5ForCausalLM`, reloaded by stock transformers and
+    compared under its torch reference kernels; the record names the norm eps each side has (`rms_norm_eps`)."""
+
+    def check(self, config) -> None:
+        check_qwen3_student(config)
+
+    def write(self, student, tokenizer, folder: Path) -> None:
+        qwen3_5_model(student).save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+
+    def reload(self, folder: Path):
+        model = super().reload(folder)
+        if not type(model).__module__.startswith("transformers."):
+            raise RuntimeError(f"--format qwen3_5 reloaded through {type(model).__module__}, not stock transformers")
+        return model
+
+    def check_written(self, student, folder: Path, prompts: list[list[int]], tolerance: float) -> tuple[Parity, dict]:
+        with torch_reference_kernels():
+            parity = compare(student, self.reload(folder), prompts, tolerance)
+        teacher = student.config.teacher_config
+        eps = {"teacher": teacher.rms_norm_eps, "gdn": student.config.gdn_norm_eps,
+               "written": student.config.gdn_norm_eps}
+        return parity, {"rms_norm_eps": eps}
+
+
+QWEN3_5 = Qwen35Format()

@@ -3,34 +3,31 @@ written, check it against the student (`tcal.export.parity`), record the check i
 move the folder into place (`tcal.store.files.write_folder_atomic`: a failed check, a refusal or a crash leaves the
 destination as it was).
 
-The reload runs in this process, in float32, with the loader a user of the format has: `AutoModelForCausalLM`
-with tcal imported (`tcal`, `vllm`: the plugin reads the same config and weights), with `trust_remote_code=True` and
-the shipped modeling file (`hf`), or stock transformers (`qwen3_5`). For `vllm`, a vLLM interpreter (`serve_python`)
-adds the engine's own check under the bfloat16 rule; without one the record says the engine was not checked.
+What a format writes and how it is reloaded is the format's own (`tcal.export.formats`, an `ExportFormat` per name
+in `tcal.registry.EXPORT_FORMATS`). The reload runs in this process, in float32, with the loader a user of the
+format has: `AutoModelForCausalLM` with tcal imported (`tcal`, `vllm`: the plugin reads the same config and weights),
+with `trust_remote_code=True` and the shipped modeling file (`hf`), or stock transformers (`qwen3_5`). For `vllm`, a
+vLLM interpreter (`serve_python`) adds the engine's own check under the bfloat16 rule; without one the record says
+the engine was not checked.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
-from tcal.export import FORMATS
-from tcal.export.parity import LOGIT_TOLERANCE, compare, engine_agreement, parity_prompts
+from tcal.export.parity import LOGIT_TOLERANCE, parity_prompts
 from tcal.export.refusal import ExportRefused, ParityFailed
+from tcal.registry import EXPORT_FORMATS
 from tcal.store.files import check_folder_target, check_writable, listed_files, write_folder_atomic
 from tcal.store.record import RESULTS
 
 log = logging.getLogger(__name__)
 
 EXPORT_RECORD = "tcal_export.json"  # in every export: format, source, parity (and the engine check for vllm)
-REMOTE_CODE = Path(__file__).parent / "remote" / "modeling_tcal_hybrid.py"
-VLLM_ARCHITECTURE = "TcalHybridForCausalLM"  # the plugin's name in vLLM's model registry (`tcal.serving`)
-VLLM_FAMILIES = ("llama", "qwen2", "qwen3")
 RUN_CONTENTS = ("student", "checkpoints", "logs", ".hydra", RESULTS)  # what a run folder holds of its own
 
 
@@ -127,74 +124,14 @@ def one_line(err: BaseException, limit: int = 200) -> str:
     return " ".join(str(err).split())[:limit]
 
 
-def check_format(config, fmt: str) -> None:
-    """Refuse, before any work, a format that cannot hold the student of `config` exactly."""
-    if fmt not in FORMATS:
-        raise ExportRefused(f"--format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    family = config.teacher_config.model_type
-    if fmt == "qwen3_5":
-        from tcal.export.qwen3_5 import check_qwen3_student
-
-        check_qwen3_student(config)
-    if fmt == "vllm" and family not in VLLM_FAMILIES:
-        raise ExportRefused(f"--format vllm: the plugin serves {', '.join(VLLM_FAMILIES)} students; this one's "
-                            f"teacher is {family!r}")
-
-
-def write_format(student, tokenizer, fmt: str, folder: Path) -> None:
-    from tcal.student.export import write_student
-
-    if fmt == "qwen3_5":
-        from tcal.export.qwen3_5 import qwen3_5_model
-
-        qwen3_5_model(student).save_pretrained(folder)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-        return
-    write_student(student, tokenizer, folder)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    if fmt == "hf":
-        shutil.copyfile(REMOTE_CODE, folder / REMOTE_CODE.name)
-        module = REMOTE_CODE.stem
-        config["auto_map"] = {"AutoConfig": f"{module}.TcalHybridConfig",
-                              "AutoModelForCausalLM": f"{module}.TcalHybridForCausalLM"}
-        config["architectures"] = ["TcalHybridForCausalLM"]
-        config["model_type"] = "tcal_hybrid_hf"
-    elif fmt == "vllm":
-        config["architectures"] = [VLLM_ARCHITECTURE]
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def reload(fmt: str, folder: Path):
-    """What was written, loaded as a user of the format loads it (float32, eval mode)."""
-    from transformers import AutoModelForCausalLM
-
-    if fmt == "hf":
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=True)
-        if "tcal" in type(model).__module__.split(".")[0]:
-            raise RuntimeError(f"--format hf reloaded through {type(model).__module__}, not the shipped modeling code")
-        return model.eval()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    if fmt == "qwen3_5" and not type(model).__module__.startswith("transformers."):
-        raise RuntimeError(f"--format qwen3_5 reloaded through {type(model).__module__}, not stock transformers")
-    return model
-
-
-def engine_check(folder: Path, student, prompts: list[list[int]], serve_python: Path) -> dict:
-    """The vLLM engine's greedy tokens and top-k on `prompts` (a subprocess of `serve_python`, bfloat16 on this
-    machine's CPU), judged by the bfloat16 rule against the float32 student."""
-    from tcal.export.parity import GREEDY_TOKENS, TOP_K
-
-    request = json.dumps({"model": str(folder), "prompts": prompts, "tokens": GREEDY_TOKENS, "top_k": TOP_K})
-    done = subprocess.run([str(serve_python), "-m", "tcal.serving.generate"], input=request, capture_output=True,
-                          text=True, check=False)
-    if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
-        raise ParityFailed(f"vLLM ({serve_python}) could not serve the export: {tail[0]}")
-    answer = json.loads(done.stdout.strip().splitlines()[-1])
-    agreement = engine_agreement(student, prompts, answer["tokens"], answer["top_k"])
-    return {**agreement.record(), "engine": answer["engine"], "summary": agreement.summary()}
+def check_format(config, fmt: str):
+    """The `ExportFormat` named `fmt`, once it found it can hold the student of `config` exactly (refused before any
+    work otherwise)."""
+    if fmt not in EXPORT_FORMATS:
+        raise ExportRefused(f"--format {fmt!r}; expected one of {', '.join(EXPORT_FORMATS.names())}")
+    export_format = EXPORT_FORMATS[fmt].implementation
+    export_format.check(config)
+    return export_format
 
 
 def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANCE,
@@ -205,42 +142,22 @@ def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANC
     check_destination(Path(source), folder, Path(dest))
     check_folder_target(dest)
     check_writable(dest)
-    check_format(student_config(folder), fmt)
+    export_format = check_format(student_config(folder), fmt)
     student, tokenizer = load_student(folder)
     prompts = parity_prompts(tokenizer, student.config.vocab_size)
     record: dict = {"format": fmt, "source": str(folder.resolve()), "written_by": "tcal-export"}
 
     def write(tmp: Path) -> None:
-        write_format(student, tokenizer, fmt, tmp)
-        if fmt == "qwen3_5":
-            from tcal.export.qwen3_5 import torch_reference_kernels
-
-            with torch_reference_kernels():
-                parity = compare(student, reload(fmt, tmp), prompts, tolerance)
-            teacher = student.config.teacher_config
-            record["rms_norm_eps"] = {"teacher": teacher.rms_norm_eps, "gdn": student.config.gdn_norm_eps,
-                                      "written": student.config.gdn_norm_eps}
-        else:
-            parity = compare(student, reload(fmt, tmp), prompts, tolerance)
+        export_format.write(student, tokenizer, tmp)
+        parity, entries = export_format.check_written(student, tmp, prompts, tolerance)
+        record.update(entries)
         record["parity"] = parity.record()
         log.info("%s export parity: %s", fmt, parity.summary())
         if not parity.passed:
             raise ParityFailed(f"--format {fmt}: the written export does not reproduce the student ({parity.summary()}); "
                                f"nothing written to {dest}")
-        if fmt == "vllm":
-            record["engine_check"] = _engine_record(tmp, student, prompts, serve_python)
+        record.update(export_format.after_parity(student, tmp, prompts, serve_python))
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
     write_folder_atomic(Path(dest), write)
     return record
-
-
-def _engine_record(folder: Path, student, prompts, serve_python: Path | None) -> dict:
-    if serve_python is None:
-        log.info("vLLM engine check skipped: no vLLM interpreter given (--serve-python)")
-        return {"checked": False, "why": "no vLLM interpreter given (--serve-python)"}
-    engine = engine_check(folder, student, prompts, Path(serve_python))
-    log.info("vLLM engine check: %s", engine["summary"])
-    if not engine["passed"]:
-        raise ParityFailed(f"--format vllm: vLLM's bf16 output fails the agreement rule ({engine['summary']})")
-    return {"checked": True, **engine}

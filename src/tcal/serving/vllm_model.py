@@ -40,6 +40,8 @@ from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, extract_layer_index, make_layers
 
+from tcal.registry import VLLM_FAMILIES
+
 LINEAR = "linear_attention"
 CONV_KERNEL = 4  # vLLM's GDN runs a causal conv; width 4 is the one its CPU and GPU kernels are built for
 # tcal's GDN parameter -> (vLLM GDN parameter, shard of the fused projection or None)
@@ -110,14 +112,25 @@ class TcalGdnDecoderLayer(nn.Module):
 
 
 def kept_layer(family: str, teacher, vllm_config: VllmConfig, prefix: str) -> nn.Module:
-    """The teacher family's own vLLM decoder layer."""
-    if family == "llama":
-        return LlamaDecoderLayer(vllm_config=vllm_config, prefix=prefix, config=teacher)
-    layer_class = {"qwen2": Qwen2DecoderLayer, "qwen3": Qwen3DecoderLayer}.get(family)
-    if layer_class is None:
-        raise ValueError(f"tcal's vLLM plugin serves llama, qwen2 and qwen3 students; got teacher {family!r}")
-    return layer_class(config=teacher, cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config,
-                       prefix=prefix)
+    """The teacher family's own vLLM decoder layer, built by the family's function in `tcal.registry.VLLM_FAMILIES`."""
+    if family not in VLLM_FAMILIES:
+        raise ValueError(f"tcal's vLLM plugin serves {', '.join(VLLM_FAMILIES.names())} students; got teacher "
+                         f"{family!r}")
+    return VLLM_FAMILIES[family].implementation(teacher, vllm_config, prefix)
+
+
+def llama_layer(teacher, vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    return LlamaDecoderLayer(vllm_config=vllm_config, prefix=prefix, config=teacher)
+
+
+def qwen2_layer(teacher, vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    return Qwen2DecoderLayer(config=teacher, cache_config=vllm_config.cache_config,
+                             quant_config=vllm_config.quant_config, prefix=prefix)
+
+
+def qwen3_layer(teacher, vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    return Qwen3DecoderLayer(config=teacher, cache_config=vllm_config.cache_config,
+                             quant_config=vllm_config.quant_config, prefix=prefix)
 
 
 class TcalHybridModel(nn.Module):

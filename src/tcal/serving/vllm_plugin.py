@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 
-ARCHITECTURE = "TcalHybridForCausalLM"
-MODEL_TYPE = "tcal_hybrid"
+from tcal.serving import ARCHITECTURE, MODEL_TYPE
+
 STATE_DTYPE = "float32"
 log = logging.getLogger(__name__)
 

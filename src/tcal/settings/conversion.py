@@ -17,10 +17,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from tcal.errors import ConfigError
-from tcal.registry import INIT_MODES, POLICIES
+from tcal.registry import HARNESSES, INIT_MODES, POLICIES, RULERS
 from tcal.settings.data import DataSettings, HubDataSettings
 from tcal.settings.evaluation import EvalSettings, HarnessSettings, RulerSettings
-from tcal.settings.fields import REQUIRED, SettingError, option_classes
+from tcal.settings.fields import REQUIRED, SettingError
 from tcal.settings.init import InitSettings
 from tcal.settings.retention import RetentionSettings
 from tcal.settings.run import GROUPS, RunSettings
@@ -52,9 +52,12 @@ def run_settings(config) -> RunSettings:
         raise (err if err.place is not None else err.placed("")) from None
 
 
-REGISTRIES = {"retention": (POLICIES, RetentionSettings), "init": (INIT_MODES, InitSettings)}
-# The base class of each field whose settings an option of its own config group fills.
-OPTION_FIELDS = {(EvalSettings, "harness"): HarnessSettings, (EvalSettings, "ruler"): RulerSettings}
+# The config groups whose class is the option's that `<group>.name` names: its registry, and the base class a name
+# no option has keeps (whose check then names the bad name).
+GROUPS_CHOSEN_BY_NAME = {"retention": (POLICIES, RetentionSettings), "init": (INIT_MODES, InitSettings)}
+# The same for each field whose settings an option of its own config group fills (`eval/harness`).
+FIELDS_CHOSEN_BY_NAME = {(EvalSettings, "harness"): (HARNESSES, HarnessSettings),
+                         (EvalSettings, "ruler"): (RULERS, RulerSettings)}
 
 
 def group_class(group: str, node: dict, declared: type | None = None) -> type:
@@ -64,9 +67,9 @@ def group_class(group: str, node: dict, declared: type | None = None) -> type:
         return HubDataSettings if node.get("source") == "datasets" else DataSettings
     if group == "stage":
         return stage_settings_class(node)
-    if group not in REGISTRIES:
+    if group not in GROUPS_CHOSEN_BY_NAME:
         return typing.get_type_hints(RunSettings)[group]
-    registry, base = REGISTRIES[group]
+    registry, base = GROUPS_CHOSEN_BY_NAME[group]
     fallback = declared if _is_dataclass(declared) else base
     return registry[node["name"]].settings if node.get("name") in registry else fallback
 
@@ -77,7 +80,7 @@ def _is_dataclass(cls) -> bool:
 
 def _group(group: str, node: dict, declared: type | None) -> Any:
     cls = group_class(group, node, declared)
-    if group in REGISTRIES and _is_dataclass(declared) and declared is not cls:
+    if group in GROUPS_CHOSEN_BY_NAME and _is_dataclass(declared) and declared is not cls:
         name = node.get("name")
         raise ConfigError(f"{group}.name={name!r}: the option chosen holds the settings of another {group} "
                           f"({declared.__name__}); expected {group}={name} to choose that option")
@@ -93,9 +96,11 @@ def _build(cls: type, node: dict, place: str):
         if field.name not in node:
             continue
         value, kind = node[field.name], hints[field.name]
-        base = OPTION_FIELDS.get((cls, field.name))
-        if base is not None and isinstance(value, dict):
-            value = _build(option_classes(base).get(value.get("name"), base), value, f"{place}{field.name}.")
+        chosen = FIELDS_CHOSEN_BY_NAME.get((cls, field.name))
+        if chosen is not None and isinstance(value, dict):
+            registry, base = chosen
+            option = value.get("name")
+            value = _build(registry[option].settings if option in registry else base, value, f"{place}{field.name}.")
         elif isinstance(kind, type) and dataclasses.is_dataclass(kind) and isinstance(value, dict):
             value = _build(kind, value, f"{place}{field.name}.")
         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+from tcal.registry import HARNESSES, RULERS
 from tcal.settings.fields import (
     HARNESS,
     PPL,
@@ -18,7 +19,6 @@ from tcal.settings.fields import (
     declared,
     is_int,
     one_of,
-    option_classes,
     optional_positive_int,
     positive_int,
     seed_value,
@@ -35,20 +35,16 @@ NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue")  # read one s
 class HarnessSettings(Settings):
     """`none`: no lm-eval harness."""
 
-    schema = "eval/harness/none"
-
     name: str = setting("none", affects=[HARNESS])
 
     def check(self) -> None:
-        one_of("name", self.name, sorted(option_classes(HarnessSettings)))
+        one_of("name", self.name, HARNESSES.names())
 
 
 @declared
 @dataclass
 class LocalHarnessSettings(HarnessSettings):
     """`local`: lm-eval on tasks built from held-out text (offline)."""
-
-    schema = "eval/harness/local"
 
     name: str = setting("local", affects=[HARNESS])
     n_examples: int = setting(200, affects=[HARNESS])  # examples generated per task
@@ -71,8 +67,6 @@ class LocalHarnessSettings(HarnessSettings):
 class PaperHarnessSettings(HarnessSettings):
     """`paper`: the paper's zero-shot tasks and MMLU 5-shot (needs the dataset hub)."""
 
-    schema = "eval/harness/paper"
-
     name: str = setting("paper", affects=[HARNESS])
     limit: Optional[int] = setting(None, affects=[HARNESS])
     batch_size: int = setting(8, affects=[HARNESS])
@@ -90,20 +84,16 @@ class PaperHarnessSettings(HarnessSettings):
 class RulerSettings(Settings):
     """`none`: no RULER-style needles."""
 
-    schema = "eval/ruler/none"
-
     name: str = setting("none", affects=[RULER])
 
     def check(self) -> None:
-        one_of("name", self.name, sorted(option_classes(RulerSettings)))
+        one_of("name", self.name, RULERS.names())
 
 
 @declared
 @dataclass
 class NeedleRulerSettings(RulerSettings):
     """`default`: RULER-style needle-in-a-haystack tasks over held-out text, `n` examples per task and length."""
-
-    schema = "eval/ruler/default"
 
     name: str = setting("default", affects=[RULER])
     lengths: List[int] = setting(affects=[RULER], factory=lambda: [512, 1024, 2048, 4096])
@@ -148,8 +138,8 @@ class EvalSettings(Settings):
         positive_int("num_windows", self.num_windows)
         positive_int("batch_size", self.batch_size)
         window_length("seq_len", self.seq_len)
-        for name, base in (("harness", HarnessSettings), ("ruler", RulerSettings)):
-            options = option_classes(base)
+        for name, registry in (("harness", HARNESSES), ("ruler", RULERS)):
+            options = {option.name: option.settings for option in registry.options()}
             if not isinstance(getattr(self, name), tuple(options.values())):
                 raise bad(name, getattr(self, name), f"an option of eval/{name}: {', '.join(options)} "
                                                      f"(eval/{name}=none turns it off)")

@@ -108,15 +108,6 @@ def bad(key: str, value: Any, expected: str) -> SettingError:
     return SettingError(Key(key), f"={value!r}; expected {expected}")
 
 
-def option_classes(base: type, field: str = "name") -> dict[str, type]:
-    """name -> class of a group whose options differ only in their settings (`eval/harness`, `eval/ruler`, the
-    stages by `kind`): `base` and its subclasses, each named by its `field`'s default."""
-    classes = [base]
-    for cls in classes:
-        classes.extend(cls.__subclasses__())
-    return {cls.__dataclass_fields__[field].default: cls for cls in classes}
-
-
 class Settings:
     """Base of the settings dataclasses: an object checks its own fields when it is built."""
 

@@ -1,8 +1,9 @@
 """The closed schemas conf/'s options open with (`- /schema/<group>/<name>@_here_`), stored in Hydra's ConfigStore.
 
-A fixed group's settings class names its schema (`schema = "trainer/trainer"`); an init mode's or a retention
-policy's is built from its registry entry (`/schema/init/<mode>`: the entry's settings class with the option's own
-defaults, `name` and, for phase1, `phases`). Hydra refuses an override of a key the schema does not have, or a value
+A fixed group's settings class names its schema (`schema = "trainer/trainer"`); an option of a registry's config
+group (an init mode, a retention policy, a harness, a RULER) has its schema built from its registry entry
+(`/schema/init/<mode>`: the entry's settings class with the option's own defaults, `name` and, for phase1,
+`phases`). Hydra refuses an override of a key the schema does not have, or a value
 of the wrong type, naming the key.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tcal.registry import REGISTRIES, plugin_packages
+from tcal.registry import CONFIG_GROUP_REGISTRIES, plugin_packages
 from tcal.settings.evaluation import EvalSettings
 from tcal.settings.fields import Settings
 from tcal.settings.run import GROUPS, RunSettings
@@ -46,7 +47,7 @@ def fixed_schemas() -> dict[str, type]:
 def schema_class(path: str) -> type | None:
     """The settings class of schema `<group>/<name>` (`stage/distill`, `init/full`), None for one that is not."""
     group, _, name = path.rpartition("/")
-    for registry in REGISTRIES:
+    for registry in CONFIG_GROUP_REGISTRIES:
         if group == registry.group:
             return registry[name].settings if name in registry else None
     return fixed_schemas().get(path)
@@ -84,12 +85,14 @@ def store_schemas(plugins: tuple[str, ...]) -> None:
     `join` resolver sweep files name their job folders with (`${join:${stage.sequence}}` -> align_distill)."""
     from hydra.core.config_store import ConfigStore
 
+    for registry in CONFIG_GROUP_REGISTRIES:  # first: a default built below checks its name (a plugin fails on its own)
+        registry.load()
     OmegaConf.register_new_resolver("join", lambda items, sep="_": sep.join(map(str, items)), replace=True)
     store = ConfigStore.instance()
     for path, cls in fixed_schemas().items():
         group, _, option = f"schema/{path}".rpartition("/")
         store.store(group=group, name=option, node=schema_node(cls))
-    for registry in REGISTRIES:
+    for registry in CONFIG_GROUP_REGISTRIES:
         for option in registry.options():
             node = schema_node(option.settings, {"name": option.name, **option.defaults})
             store.store(group=f"schema/{registry.group}", name=option.name, node=node)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+from tcal.registry import STAGE_KINDS
 from tcal.settings.fields import (
     NOTHING,
     REQUIRED,
@@ -20,7 +21,6 @@ from tcal.settings.fields import (
     learning_rate,
     non_negative,
     one_of,
-    option_classes,
     positive_int,
     positive_number,
     setting,
@@ -28,8 +28,6 @@ from tcal.settings.fields import (
 )
 from tcal.settings.schedule import SCHEDULES
 from tcal.settings.teacher import DTYPES
-
-KINDS = ("align", "distill")
 
 
 @declared
@@ -83,7 +81,7 @@ class TrainingStageSettings(StageSettings):
     cache_tokens: bool = setting(True, affects=NOTHING)  # keep the tokenized training stream under the cache folder
 
     def check(self) -> None:
-        one_of("kind", self.kind, KINDS)
+        one_of("kind", self.kind, STAGE_KINDS.names())
         for key in ("max_tokens", "eval_every_tokens", "batch_size"):
             positive_int(key, getattr(self, key))
         window_length("seq_len", self.seq_len)
@@ -204,9 +202,9 @@ class StageSequenceSettings(StageSettings):
 
     def check(self) -> None:
         kinds = list(self.sequence)
-        if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
+        if not kinds or any(k not in STAGE_KINDS for k in kinds) or len(set(kinds)) != len(kinds):
             raise SettingError(Key("sequence"), f"={kinds}; expected a non-empty list without repeats of "
-                               f"{', '.join(KINDS)}")
+                               f"{', '.join(STAGE_KINDS.names())}")
 
     def stages(self) -> list[tuple[str, TrainingStageSettings]]:
         return [(f"stage.{kind}", getattr(self, kind)) for kind in self.sequence]
@@ -221,5 +219,6 @@ def stage_settings_class(node: dict) -> type:
         return StageSettings
     if "sequence" in node:
         return StageSequenceSettings
-    return option_classes(TrainingStageSettings, "kind").get(node.get("kind"), TrainingStageSettings)
+    kind = node.get("kind")
+    return STAGE_KINDS[kind].settings if kind in STAGE_KINDS else TrainingStageSettings
 

@@ -1,19 +1,11 @@
-"""Teacher families: one adapter module each, found by `model_type` (adding a family adds one module)."""
+"""Teacher families: one `TeacherAdapter` each (`base`), found by the config's `model_type` in the registry
+(`tcal.registry.TEACHER_FAMILIES`). Adding a family is one module holding its adapter plus one `declare` line there
+(or, in a `TCAL_PLUGINS` package, the module alone, declaring it)."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
+from tcal.registry import TEACHER_FAMILIES
 from tcal.teachers.base import TeacherAdapter
-
-ADAPTERS: dict[str, TeacherAdapter] = {}
-
-
-def register(adapter: TeacherAdapter) -> TeacherAdapter:
-    for model_type in adapter.model_types:
-        ADAPTERS[model_type] = adapter
-    return adapter
 
 
 def adapter_for(config) -> TeacherAdapter:
@@ -22,12 +14,7 @@ def adapter_for(config) -> TeacherAdapter:
     config = getattr(config, "config", config)
     config = getattr(config, "teacher_config", None) or config
     model_type = getattr(config, "model_type", None)
-    if model_type not in ADAPTERS:
-        supported = ", ".join(sorted(ADAPTERS))
+    if model_type not in TEACHER_FAMILIES:
+        supported = ", ".join(TEACHER_FAMILIES.names())
         raise ValueError(f"unsupported teacher architecture {model_type!r}; supported: {supported}")
-    return ADAPTERS[model_type]
-
-
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name not in ("base", "load"):
-        importlib.import_module(f"{__name__}.{_module.name}")
+    return TEACHER_FAMILIES[model_type].implementation

@@ -12,11 +12,11 @@ class TeacherAdapter:
     """Where a family keeps its decoder layers and attention, its head counts, and what the GDN drops.
 
     `dropped` names attention parameters with no place in a GDN layer (biases, q/k norms); the conversion
-    logs them. The three supported families share the `model.layers[i].self_attn.{q,k,v,o}_proj` layout.
+    logs them. The three supported families share the `model.layers[i].self_attn.{q,k,v,o}_proj` layout. The
+    `model_type` a family serves is its name in `tcal.registry.TEACHER_FAMILIES`.
     """
 
     family: str
-    model_types: tuple[str, ...]
     dropped: tuple[str, ...] = ()
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:

@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from tcal.data.documents import eval_sets, token_windows
 from tcal.data.token_store import training_tokens
 from tcal.evaluate.validation import eval_dataloaders
+from tcal.registry import STAGE_KINDS
 from tcal.runtime.distributed import world_size
 from tcal.runtime.lightning_output import trainer_callbacks
 from tcal.settings import TrainerSettings
@@ -45,7 +46,6 @@ from tcal.training.data import (
     reading_line,
     stage_samples,
 )
-from tcal.training.stages import STAGES
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +370,8 @@ def run_stage(plan: StagePlan, ctx, student, logger, resume: bool):
 def train_stage(plan: StagePlan, ctx, student, logger, resume: bool):
     """`run_stage` without the Stage 1 cache."""
     settings = ctx.settings
-    module = STAGES[plan.kind](student, ctx.teacher, plan.settings, plan.total_steps, eval_names=plan.eval_names)
+    stage_module = STAGE_KINDS[plan.kind].implementation
+    module = stage_module(student, ctx.teacher, plan.settings, plan.total_steps, eval_names=plan.eval_names)
     trainer = make_trainer(settings.trainer, plan, ctx.run_dir, logger, ctx.extra_callbacks)
     last = stage_checkpoint(ctx.run_dir, plan.kind) if resume else None
     ckpt_path = str(last) if last is not None else None

@@ -327,5 +327,3 @@ class DistillStage(StageModule):
         self.check_finite({"loss": loss})
         return loss, parts
 
-
-STAGES = {"align": AlignStage, "distill": DistillStage}
