@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from tcal.settings.stage import KINDS
+from tcal.settings.stage import StageSequenceSettings
 from tcal.tools.plan.trace import LayerTrace, trace_alignment, trace_decoder
 
 GB = 2**30
+KINDS = tuple(next(f for f in fields(StageSequenceSettings) if f.name == "sequence").default_factory())  # align, distill
 STAGE_ORDER = ("calibration", *KINDS)  # the stages as the plan lists them, before any other kind
 # [chunk, vocab] float32 tensors alive at once in one chunk of the fused KL (kd.py; `make bench ARGS=kl_memory`)
 KL_CHUNK_TENSORS = 3

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from tcal.settings.stage import KINDS
-from tcal.tools.plan.memory import STAGE_ORDER, stage_order
+from tcal.tools.plan.memory import KINDS, STAGE_ORDER, stage_order
 
 ROWS = (  # (label, key in a stage's dict)
     ("init", "init"), ("strategy", "strategy"), ("precision", "precision"), ("batch per rank", "batch_per_rank"),
