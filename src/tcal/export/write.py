@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 from tcal.export import FORMATS
 from tcal.export.parity import LOGIT_TOLERANCE, compare, engine_agreement, parity_prompts
 from tcal.export.refusal import ExportRefused, ParityFailed
+from tcal.export.remote import modeling_code
 from tcal.store.files import check_folder_target, check_writable, listed_files, write_folder_atomic
 from tcal.store.record import RESULTS
 
@@ -155,7 +155,7 @@ def write_format(student, tokenizer, fmt: str, folder: Path) -> None:
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if fmt == "hf":
-        shutil.copyfile(REMOTE_CODE, folder / REMOTE_CODE.name)
+        (folder / REMOTE_CODE.name).write_text(modeling_code(), encoding="utf-8")
         module = REMOTE_CODE.stem
         config["auto_map"] = {"AutoConfig": f"{module}.TcalHybridConfig",
                               "AutoModelForCausalLM": f"{module}.TcalHybridForCausalLM"}
