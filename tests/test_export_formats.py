@@ -17,8 +17,10 @@ from tcal.export.formats import REMOTE_CODE
 from tcal.export.parity import compare, parity_prompts
 from tcal.export.qwen3_5 import qwen3_5_model, torch_reference_kernels
 from tcal.export.refusal import ExportRefused, ParityFailed
+from tcal.export.remote import WRAPPER, modeling_code
 from tcal.export.write import EXPORT_RECORD, export
 from tcal.store.files import MANIFEST
+from tcal.student import gdn_torch
 from tcal.student.convert import build_student
 from tcal.student.export import export_student
 
@@ -79,7 +81,7 @@ def test_hf_export_loads_its_own_code(students, tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_tcal_hybrid.TcalHybridForCausalLM"
     assert config["model_type"] != student.config.model_type  # where tcal is installed, its class does not win
-    assert (tmp_path / "hf" / REMOTE_CODE.name).read_text() == REMOTE_CODE.read_text()
+    assert (tmp_path / "hf" / REMOTE_CODE.name).read_bytes() == modeling_code().encode("utf-8")
     assert record["parity"]["passed"]
 
 
@@ -131,11 +133,35 @@ def test_parity_fails_an_export_that_cannot_make_a_user_s_call_or_pad(students):
     assert compare(student, copy.deepcopy(student), prompts).passed
 
 
-def test_hf_modeling_code_imports_torch_and_transformers_only():
-    tree = ast.parse(REMOTE_CODE.read_text())
+def imported_roots(code: str) -> set[str]:
+    tree = ast.parse(code)
     roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert roots <= {"__future__", "math", "torch", "transformers"}, roots
+    return roots
+
+
+def test_hf_modeling_code_imports_torch_and_transformers_only():
+    """The shipped file, and the GDN module tcal splices into it, import nothing of tcal's."""
+    shipped, spliced = imported_roots(modeling_code()), imported_roots(Path(gdn_torch.__file__).read_text())
+    assert "tcal" in imported_roots(WRAPPER.read_text())  # the wrapper as it stands in tcal: what the splice replaces
+    assert shipped <= {"__future__", "math", "torch", "transformers"}, shipped
+    assert spliced <= {"__future__", "math", "torch", "transformers"}, spliced
+
+
+def test_the_hf_modeling_file_is_the_wrapper_with_the_student_s_gdn_layer_spliced_in():
+    """The GDN maths written once: the shipped file is the wrapper with its line importing `tcal.student.gdn_torch`
+    replaced by that module's text, less its `from __future__` line (the wrapper's stands at the top), and tcal's own
+    GDN layer is that module's."""
+    from tcal.student.gdn import GatedDeltaNet
+
+    future = "from __future__ import annotations\n"
+    splice = "from tcal.student.gdn_torch import GatedDeltaNet, padding_mask\n"
+    head, found, tail = WRAPPER.read_text().partition(splice)
+    maths = Path(gdn_torch.__file__).read_text()
+    assert found and maths.count(future) == 1
+    assert modeling_code() == head + maths.replace(future, "") + tail
+    assert issubclass(GatedDeltaNet, gdn_torch.GatedDeltaNet)
+    assert {"_heads", "qkv", "gates", "mix", "project_out"}.isdisjoint(vars(GatedDeltaNet))  # adds, never rewrites
 
 
 def test_vllm_export_names_the_plugin_and_says_the_engine_was_not_checked(students, tmp_path):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from fla.ops.gated_delta_rule import naive_recurrent_gated_delta_rule
 from transformers import DynamicCache, PretrainedConfig
 
-from tcal.student.gdn import GatedDeltaNet, chunk_gated_delta_rule_torch, gated_delta_rule, recurrent_step
+from tcal.student.gdn import GatedDeltaNet, gated_delta_rule
+from tcal.student.gdn_torch import chunk_gated_delta_rule_torch, recurrent_step
 
 ATOL = RTOL = 1e-5
 MODULE_TOL = dict(atol=1e-4, rtol=1e-4)  # module outputs are O(1-10): float32 noise of the gated norm and Wo

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 from tcal.export.parity import Parity, compare, engine_agreement
 from tcal.export.refusal import ExportRefused, ParityFailed
+from tcal.export.remote import modeling_code
 from tcal.registry import VLLM_FAMILIES
 from tcal.serving import ARCHITECTURE
 
@@ -77,7 +77,7 @@ class HfFormat(ExportFormat):
     """`hf`: loaded with `trust_remote_code=True` where tcal is not installed (torch and transformers only)."""
 
     def edit_config(self, config: dict, folder: Path) -> None:
-        shutil.copyfile(REMOTE_CODE, folder / REMOTE_CODE.name)
+        (folder / REMOTE_CODE.name).write_text(modeling_code(), encoding="utf-8")
         module = REMOTE_CODE.stem
         config["auto_map"] = {"AutoConfig": f"{module}.TcalHybridConfig",
                               "AutoModelForCausalLM": f"{module}.TcalHybridForCausalLM"}

@@ -18,6 +18,7 @@ from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tcal.student.gdn import GatedDeltaNet
+from tcal.student.gdn_torch import padding_mask
 
 LINEAR = "linear_attention"
 
@@ -169,7 +170,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache,
-            linear_attention_mask=_padding_mask(attention_mask, length), **kwargs,
+            linear_attention_mask=padding_mask(attention_mask, length), **kwargs,
         )
         hidden = outputs.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
@@ -180,14 +181,6 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
                                       hidden_states=outputs.hidden_states)
-
-
-def _padding_mask(attention_mask, length: int):
-    """The 2D padding mask for this call's positions, or None when nothing is padded."""
-    if attention_mask is None or attention_mask.ndim != 2:
-        return None
-    mask = attention_mask[:, -length:]
-    return None if bool(mask.all()) else mask
 
 
 AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)

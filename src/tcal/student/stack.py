@@ -7,7 +7,7 @@ with Triton >= 3.4.0, < 3.7.1), but only at the first backward: after the teache
 
     trainer.gdn_kernel=auto   fla where no row applies; a stack a row names is refused in one line naming the fix
     trainer.gdn_kernel=fla    fla; refused only where fla itself would refuse (a `hard` row), else a warning
-    trainer.gdn_kernel=torch  tcal's torch chunk path (`tcal.student.gdn.chunk_gated_delta_rule_torch`): correct
+    trainer.gdn_kernel=torch  tcal's torch chunk path (`tcal.student.gdn_torch.chunk_gated_delta_rule_torch`): correct
                               on every device, slower on CUDA
 """
 
