@@ -40,6 +40,7 @@ import torch
 
 from tcal.context import RunContext
 from tcal.data.documents import Splits, changed_inputs, input_digests, load_splits
+from tcal.init import init_student
 from tcal.preflight import (
     check_budgets,
     check_fit,
@@ -51,6 +52,7 @@ from tcal.preflight import (
     check_trainer,
 )
 from tcal.retention import Selection
+from tcal.retention import select_layers as policy_selection
 from tcal.runtime.distributed import Ranks
 from tcal.runtime.signals import handling
 from tcal.settings import (
@@ -213,9 +215,7 @@ class Run(RunContext):
 
     def select(self) -> Selection:
         """The layers that keep softmax attention, by the `retention` policy."""
-        from tcal.retention import select_layers as select
-
-        return select(self.settings.retention, self)
+        return policy_selection(self.settings.retention, self)
 
     def build_student(self, keep_layers: list[int]):
         """The hybrid student on this rank's device (`init.gqa_expansion`, `seed`)."""
@@ -226,8 +226,6 @@ class Run(RunContext):
 
     def initialize(self, student) -> dict:
         """The student's GDN layers initialized in place by `init`; returns what the mode measured."""
-        from tcal.init import init_student
-
         return init_student(student, self.settings.init, self)
 
     def train(self, student, stage_finished=None):
