@@ -85,7 +85,7 @@ def tokens():
 def ctx(tmp_path_factory):
     """A RunContext like `pipeline.prepare` builds: tiny llama with the SmolLM2 vocabulary, Shakespeare splits."""
     from tcal.data.documents import load_splits
-    from tcal.pipeline import RunContext
+    from tcal.context import RunContext
     from tcal.teachers.load import load_tokenizer
 
     root = tmp_path_factory.mktemp("calib_ctx")

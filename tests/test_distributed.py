@@ -152,7 +152,7 @@ def test_decisions_and_failures_on_one_rank_reach_every_rank(tmp_path):
 def test_a_sweep_of_two_rank_jobs_runs_once_with_fresh_ranks_per_job_and_a_rank_failure_fails_only_its_job(tmp_path):
     sweep_dir = tmp_path / "sweep"
     message = "injected: rank 1 of job 1 runs out of memory"
-    fault = {"call": "tcal.api:build_student", "rank": 1, "when": {"seed": 1}, "raise": "RuntimeError",
+    fault = {"call": "tcal.student.convert:build_student", "rank": 1, "when": {"seed": 1}, "raise": "RuntimeError",
              "message": message}
     done = tcal_with_fault(fault, "-m", *SMOKE, *TWO_RANKS, "seed=0,1,2", f"hydra.sweep.dir={sweep_dir}",
                            f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}")
@@ -179,7 +179,7 @@ STOPS = re.compile(r"^\[([\d-]+ [\d:,]+)\]\[tcal\.cli\.rank\]\[ERROR\] - rank (\
 def test_a_failure_on_one_rank_stops_every_rank_with_the_same_line(tmp_path, case):
     if case == "refusal_on_rank_0":
         message = "eval.seq_len=64: injected refusal on rank 0 only"
-        fault = {"call": "tcal.pipeline:check_loaded", "rank": 0, "raise": "ConfigError", "message": message}
+        fault = {"call": "tcal.api:check_loaded", "rank": 0, "raise": "ConfigError", "message": message}
         args, code = (), 2
     else:
         fault = {"call": "tcal.training.stages:chunked_kd_loss", "rank": 1, "nan": True}
@@ -213,8 +213,8 @@ def test_a_failure_on_one_rank_stops_every_rank_with_the_same_line(tmp_path, cas
 @pytest.mark.slow
 def test_ranks_still_running_after_one_failed_are_stopped_and_the_record_says_why(tmp_path):
     message = "injected: rank 1 fails while rank 0 works alone"
-    faults = [{"call": "tcal.api:initialize", "rank": 1, "raise": "RuntimeError", "message": message},
-              {"call": "tcal.api:initialize", "rank": 0, "sleep": 900}]  # longer than the test's timeout
+    faults = [{"call": "tcal.init:init_student", "rank": 1, "raise": "RuntimeError", "message": message},
+              {"call": "tcal.init:init_student", "rank": 0, "sleep": 900}]  # longer than the test's timeout
     run_dir = tmp_path / "run"
     done = tcal_with_fault(faults, *SMOKE, *TWO_RANKS, f"hydra.run.dir={run_dir}",
                            f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}")

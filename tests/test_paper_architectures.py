@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from tcal.cli.app import group_options
+from tcal.context import RunContext
 from tcal.data.documents import load_splits
 from tcal.init import apply_init
-from tcal.pipeline import RunContext
 from tcal.retention.uniform import uniform_layers
 from tcal.student.convert import build_student, naive_gdn
 from tcal.teachers.load import load_tokenizer, teacher_architecture

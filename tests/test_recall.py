@@ -16,10 +16,10 @@ from test_errors import run_fails
 import tcal.data.documents as data_mod
 import tcal.init.calibration.calibrate as calibrate_mod
 import tcal.student.convert as convert_mod
+from tcal.context import RunContext
 from tcal.data.documents import load_splits, token_stream
 from tcal.data.needles import ANSWER, NEEDLE, QUESTION, TEXT, RetrievalSequences, key_words
 from tcal.errors import ConfigError
-from tcal.pipeline import RunContext
 from tcal.retention import select_layers
 from tcal.retention.ar import attention_bypassed
 from tcal.retention.probe import earlier_layers_replayed, layer_outputs_recorded, probe_sequences, sequence_losses

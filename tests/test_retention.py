@@ -16,9 +16,10 @@ from conftest import compose, compose_config, make_teacher, repo_cache_dir
 import tcal.init.calibration.calibrate as calibrate_mod
 import tcal.retention.ar as ar_mod
 import tcal.retention.ga_s2 as ga_s2_mod
+from tcal.context import RunContext
 from tcal.data.documents import load_splits, token_stream
 from tcal.init import init_student
-from tcal.pipeline import RunContext, run
+from tcal.pipeline import run
 from tcal.registry import POLICIES
 from tcal.retention import select_layers
 from tcal.retention.ga_s2 import probes

@@ -9,7 +9,9 @@
     results = api.evaluate(student, teacher, splits, EvalSettings())
     api.save(student, teacher.tokenizer, "student")
 
-These are the steps `tcal` runs (`tcal.pipeline` calls them); on-disk caches (calibrated layers, retention scores,
+These are the steps `tcal` runs: each is a method of one `Run` (its complete settings, the loaded teacher and data),
+which `tcal.pipeline` calls in order on the `Run` it prepared; each function here builds a `Run` from the settings it
+was given and the defaults of the rest, and calls its step. On-disk caches (calibrated layers, retention scores,
 Stage 1) live under `cache_dir`, $TCAL_CACHE_DIR or .cache/tcal as for `tcal`.
 
 Every step is the CLI's equal (`step`): its arguments are checked against its annotations first (a wrong type is a
@@ -25,26 +27,32 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import numbers
 import os
+import time
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tcal.context import RunContext
-from tcal.data.documents import Splits, load_splits
+from tcal.data.documents import Splits, changed_inputs, input_digests, load_splits
+from tcal.init import init_student
 from tcal.preflight import (
     check_budgets,
     check_fit,
     check_keep_list,
+    check_loaded,
+    check_machine,
     check_ruler_room,
     check_split_tokens,
     check_trainer,
 )
 from tcal.retention import Selection
+from tcal.retention import select_layers as policy_selection
 from tcal.runtime.distributed import Ranks
 from tcal.runtime.signals import handling
 from tcal.settings import (
@@ -62,7 +70,11 @@ from tcal.settings import (
     TrainerSettings,
     default_teacher,
 )
+from tcal.store.files import check_folder_target
+from tcal.store.record import Record, read_record
+from tcal.store.rerun import check_checkpoints, check_same_inputs, holding_folder
 
+log = logging.getLogger(__name__)
 PathLike = typing.Union[str, os.PathLike]
 
 
@@ -148,12 +160,103 @@ def step_settings(teacher: Teacher, **groups) -> RunSettings:
     return RunSettings(teacher=teacher.settings, **{name: value for name, value in groups.items() if value is not None})
 
 
-def context(teacher: Teacher, splits: Splits, settings: RunSettings, cache_dir=None, run_dir=None,
-            ranks: Ranks | None = None) -> RunContext:
-    """The `RunContext` the library's steps read, for one call (`settings` from `step_settings`)."""
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    folder = Path(run_dir) if run_dir is not None else Path("outputs") / "python_api"  # stage checkpoints only
-    return RunContext(settings, teacher.model, teacher.tokenizer, splits, cache, folder, ranks=ranks or Ranks())
+@dataclass
+class Run(RunContext):
+    """One run: complete settings, the loaded teacher and documents, and the steps as methods (select, build the
+    student, initialize, train, evaluate, save), each reading the settings it needs from `settings`. `tcal` builds
+    one with `Run.prepare` (every check before any work) and runs its steps (`tcal.pipeline.run`); each function
+    below builds one with `Run.of` for its one step and makes that step's checks."""
+
+    plans: list | None = None  # the stages (`tcal.training.run.StagePlan`), planned once: by `prepare` or training
+    resume: bool = False  # each stage continues from its checkpoint in `run_dir`
+    inputs: dict = field(default_factory=dict)  # what it reads, as digests (`tcal.data.documents.input_digests`)
+    record: Record | None = None  # `tcal`'s record, from `prepare` (its timings from the start)
+    logger: object = None  # a Lightning logger on every stage's Trainer
+
+    @classmethod
+    def prepare(cls, settings: RunSettings, run_dir: Path, resume: bool = False, ranks: Ranks | None = None) -> Run:
+        """`tcal`'s run: every check before any work, the teacher (on this rank's device) and splits loaded, the
+        stages planned, its record (a resume's continues the one on disk): a refusal or a failed load on any rank (a
+        training split too short for one sequence) stops every rank alike."""
+        from tcal.training.run import plan_stages
+
+        ranks = ranks or Ranks()
+        with ranks.together():
+            check_machine(settings)
+            if settings.save_student:
+                check_folder_target(run_dir / "student")  # a `student/` tcal did not write is refused before any work
+            if resume:
+                check_checkpoints(run_dir)  # a damaged one is named before any work
+            record = Record(run_dir, read_record(run_dir) if resume else None, writer=ranks.is_main)
+            torch.manual_seed(int(settings.seed))
+            torch.set_flush_denormal(True)  # strongly decaying GDN states underflow; denormals slow CPU math ~10x
+            with record.timed("load_data"):
+                splits = load_data(settings.data)
+                inputs = input_digests(settings.data, splits)
+            recorded = (record.earlier or {}).get("inputs")
+            if recorded:  # a run continues on the data it started with (a record older than `inputs`: unchecked)
+                check_same_inputs(run_dir, changed_inputs(recorded, inputs, settings.data))
+            with record.timed("load_teacher"):
+                teacher = load_teacher(settings.teacher, settings.paths.cache_dir, ranks.device)
+            this_run = cls(settings, teacher.model, teacher.tokenizer, splits, Path(settings.paths.cache_dir),
+                           run_dir, ranks=ranks, resume=resume, inputs=inputs, record=record)
+            check_loaded(this_run)
+            with record.timed("load_training_data"):
+                this_run.plans = plan_stages(this_run)
+        return this_run
+
+    @classmethod
+    def of(cls, teacher: Teacher, splits: Splits, settings: RunSettings, cache_dir=None, run_dir=None,
+           ranks: Ranks | None = None, **fields) -> Run:
+        """A run for one step of the library (`settings` from `step_settings`); the step's checks are the caller's."""
+        cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        folder = Path(run_dir) if run_dir is not None else Path("outputs") / "python_api"  # stage checkpoints only
+        return cls(settings, teacher.model, teacher.tokenizer, splits, cache, folder, ranks=ranks or Ranks(), **fields)
+
+    def select(self) -> Selection:
+        """The layers that keep softmax attention, by the `retention` policy."""
+        return policy_selection(self.settings.retention, self)
+
+    def build_student(self, keep_layers: list[int]):
+        """The hybrid student on this rank's device (`init.gqa_expansion`, `seed`)."""
+        from tcal.student.convert import build_student as build
+
+        return build(self.teacher, list(keep_layers), self.settings.init.gqa_expansion,
+                     int(self.settings.seed)).to(self.device)
+
+    def initialize(self, student) -> dict:
+        """The student's GDN layers initialized in place by `init`; returns what the mode measured."""
+        return init_student(student, self.settings.init, self)
+
+    def train(self, student, stage_finished=None):
+        """The stages of `stage` (planned once), `logger` and `extra_callbacks` on every stage's Trainer; returns (the
+        trained student, the stage records). `stage_finished(kind, stage record, seconds)` hears each stage end.
+        Under a mixed precision the student trains on float32 weights."""
+        from tcal.training.run import plan_stages, run_stage
+
+        if self.plans is None:
+            self.plans = plan_stages(self)
+        if self.plans and self.settings.trainer.mixed and student.dtype != torch.float32:
+            log.info("trainer.precision=%s: the student trains on float32 weights (it was %s); compute is autocast",
+                     self.settings.trainer.precision, student.dtype)
+            student.float()
+        records = {}
+        for plan in self.plans:
+            start = time.perf_counter()
+            records[plan.kind], student = run_stage(plan, self, student, self.logger, self.resume)
+            if stage_finished is not None:
+                stage_finished(plan.kind, records[plan.kind], round(time.perf_counter() - start, 3))
+        return student, records
+
+    def evaluate(self, student) -> dict:
+        """The `metrics` (and `harness`, `ruler`) of `eval` on the student, in eval mode."""
+        from tcal.evaluate.suite import evaluate
+
+        return evaluate(self, student.eval())
+
+    def save(self, student) -> Path:
+        """The student and tokenizer exported to `run_dir/student` (`save`)."""
+        return save(student, self.tokenizer, self.run_dir / "student")
 
 
 @step
@@ -183,18 +286,15 @@ def select_layers(teacher: Teacher, splits: Splits, retention: RetentionSettings
     """The layers that keep softmax attention (`Selection.keep_layers`) by `retention`'s policy; `ga_s2` scores
     students initialized with `init` (and `calibration`). `data` (the settings `splits` came from) and `trainer`
     enter the score cache's key as they enter `tcal`'s."""
-    from tcal.retention import select_layers as select
-
     settings = step_settings(teacher, retention=retention, init=init or InitSettings(), calibration=calibration,
                              seed=seed, data=data, trainer=trainer)
     check_keep_list(settings, teacher.num_layers)
-    lengths = retention.teacher_lengths()
-    if retention.initializes_layers():
-        lengths.append(("calibration.seq_len", settings.calibration.seq_len))
-    check_fit(lengths, context_length(teacher))
-    ctx = context(teacher, splits, settings, cache_dir, ranks=ranks)
-    check_split_tokens(ctx, ("retention", "init") if "calibration.seq_len" in dict(lengths) else ("retention",))
-    return select(retention, ctx)
+    initializes = retention.initializes_layers()
+    check_fit([*retention.teacher_lengths(), *([("calibration.seq_len", settings.calibration.seq_len)]
+                                               if initializes else [])], context_length(teacher))
+    this_run = Run.of(teacher, splits, settings, cache_dir, ranks=ranks)
+    check_split_tokens(this_run, ("retention", "init") if initializes else ("retention",))
+    return this_run.select()
 
 
 @step
@@ -214,14 +314,12 @@ def initialize(student: torch.nn.Module, teacher: Teacher, splits: Splits, init:
                trainer: TrainerSettings | None = None) -> dict:
     """Initialize the student's GDN layers in place by init mode `init.name`; returns the calibration record.
     `data` (the settings `splits` came from) and `trainer` enter the calibration cache's key as they enter `tcal`'s."""
-    from tcal.init import init_student
-
     settings = step_settings(teacher, init=init, calibration=calibration, seed=seed, data=data, trainer=trainer)
     if settings.calibrates():
         check_fit([("calibration.seq_len", settings.calibration.seq_len)], context_length(teacher))
-    ctx = context(teacher, splits, settings, cache_dir, ranks=ranks)
-    check_split_tokens(ctx, ("init",))  # the CLI's message naming the key, not a bare ValueError mid-init
-    return init_student(student, init, ctx)
+    this_run = Run.of(teacher, splits, settings, cache_dir, ranks=ranks)
+    check_split_tokens(this_run, ("init",))  # the CLI's message naming the key, not a bare ValueError mid-init
+    return this_run.initialize(student)
 
 
 @step
@@ -234,10 +332,7 @@ def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: S
     replacing its token budget; returns (the trained student, the stage records with their perplexity curves on
     the eval sets of `data`). Under a mixed precision the student trains on float32 weights. A Lightning `logger`
     and `callbacks` join every stage's Trainer; `resume` continues each stage from its last checkpoint in `run_dir`.
-    This is the training `tcal` runs (`tcal.pipeline`, with the stages planned once with its other checks)."""
-    from tcal.store.rerun import holding_folder
-    from tcal.training.run import plan_stages, train_stages
-
+    This is the training `tcal` runs (`Run.train`)."""
     stage = stage or DistillSettings()
     if tokens is not None:
         stage = with_budget(stage, int(tokens))
@@ -246,12 +341,12 @@ def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: S
     check_budgets(settings)
     check_fit([*((f"{key}.seq_len", node.seq_len) for key, node in settings.stage.stages()),
                *settings.eval.lengths()], context_length(teacher))
-    ctx = context(teacher, splits, settings, cache_dir, run_dir, ranks)
-    check_split_tokens(ctx, ("eval",))  # the stages' curves are measured on these windows
-    ctx.extra_callbacks = list(callbacks or [])
+    this_run = Run.of(teacher, splits, settings, cache_dir, run_dir, ranks, resume=resume, logger=logger,
+                      extra_callbacks=list(callbacks or []))
+    check_split_tokens(this_run, ("eval",))  # the stages' curves are measured on these windows
     # its checkpoints: one live run per folder (held by rank 0), as for `tcal`
-    with holding_folder(ctx.run_dir) if ctx.ranks.is_main else contextlib.nullcontext():
-        return train_stages(plan_stages(ctx), ctx, student, logger, resume)
+    with holding_folder(this_run.run_dir) if this_run.ranks.is_main else contextlib.nullcontext():
+        return this_run.train(student)
 
 
 def with_budget(stage, tokens: int):
@@ -268,16 +363,13 @@ def evaluate(student: torch.nn.Module, teacher: Teacher, splits: Splits, eval: E
              cache_dir: PathLike | None = None, ranks: Ranks | None = None) -> dict:
     """Teacher and student perplexity on the eval sets of `data` (plus the harness and RULER that `eval` names):
     the `metrics`, `harness` and `ruler` entries of a results.json."""
-    from tcal.evaluate.suite import evaluate as run_evaluation
-
     settings = step_settings(teacher, data=data, eval=eval, trainer=trainer)
     check_trainer(settings.trainer)
     check_fit(settings.eval.lengths(), context_length(teacher))  # the same check as `tcal`'s, on the loaded teacher
-    ctx = context(teacher, splits, settings, cache_dir, ranks=ranks)
-    check_split_tokens(ctx, ("eval",))
-    check_ruler_room(ctx)
-    student.eval()
-    return run_evaluation(ctx, student)
+    this_run = Run.of(teacher, splits, settings, cache_dir, ranks=ranks)
+    check_split_tokens(this_run, ("eval",))
+    check_ruler_room(this_run)
+    return this_run.evaluate(student)
 
 
 @step
@@ -290,5 +382,5 @@ def save(student: torch.nn.Module, tokenizer, folder: PathLike) -> Path:
     return export_student(student, tokenizer, Path(folder))
 
 
-__all__ = ["Teacher", "load_teacher", "load_data", "select_layers", "build_student", "initialize",
+__all__ = ["Teacher", "Run", "load_teacher", "load_data", "select_layers", "build_student", "initialize",
            "distill", "evaluate", "save"]

@@ -1,5 +1,5 @@
-"""`RunContext`: what one run's steps share (typed settings and loaded objects): a `tcal` run's `tcal.pipeline.Run`
-extends it, and `tcal.api` builds one for each call from Python."""
+"""`RunContext`: what one run's steps share (typed settings and loaded objects); `tcal.api.Run`, whose methods are
+the steps, extends it."""
 
 from __future__ import annotations
 

@@ -6,7 +6,10 @@ are the checks a value cannot make alone.
   (chosen here), the cache folder, data and teacher files, the hub, the paper tasks, the teacher's family and, when
   its config is known without loading it, its layers and context.
 - `check_loaded(ctx)`, once the teacher and the documents are in memory and before anything is written: the real
-  teacher's layers and context, and whether each split holds the tokens its windows need.
+  teacher's layers and context (where its config was not known before), and whether each split holds the tokens
+  its windows need.
+
+Each check runs once in a run; a step of the Python API (`tcal.api`) makes the checks of its own settings.
 """
 
 from __future__ import annotations
@@ -204,10 +207,11 @@ def check_fit(lengths: list[tuple[str, int]], context: int | None) -> None:
 
 
 def check_teacher_shape(settings: RunSettings, num_layers: int | None, context: int | None) -> None:
-    """Lengths within the teacher's context, and a keep list that fits its layers."""
+    """Lengths within the teacher's context, and a keep list that fits its layers (each when known)."""
     if num_layers is not None:
         check_keep_list(settings, num_layers)
-    check_fit(settings.teacher_lengths(), context)
+    if context is not None:
+        check_fit(settings.teacher_lengths(), context)
 
 
 def check_keep_list(settings: RunSettings, num_layers: int) -> None:
@@ -227,9 +231,12 @@ def check_keep_list(settings: RunSettings, num_layers: int) -> None:
 
 
 def check_loaded(ctx) -> None:
-    """What needs the loaded teacher and documents (`ctx`: a `RunContext`); still before anything is written."""
+    """What needs the loaded teacher and documents (`ctx`: a `RunContext`); still before anything is written. Of
+    the teacher's layers and context, those `check_machine` did not know (or knew otherwise) are checked."""
     config = ctx.teacher.config
-    check_teacher_shape(ctx.settings, config.num_hidden_layers, getattr(config, "max_position_embeddings", None))
+    loaded = (config.num_hidden_layers, getattr(config, "max_position_embeddings", None))
+    checked = configured_shape(ctx.settings.teacher)
+    check_teacher_shape(ctx.settings, *(None if have == known else have for have, known in zip(loaded, checked)))
     check_vocabulary(ctx)
     check_split_tokens(ctx)
     check_ruler_room(ctx)

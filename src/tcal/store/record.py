@@ -16,10 +16,12 @@ kills, resumes and failures (docs/method.md, section "The record: results.json")
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -305,15 +307,55 @@ def new_record(config: dict, num_layers: int, keep_layers: list[int], retention_
 
 
 class Record:
-    """The record of the run in progress, `run_dir/results.json`: begun when its student is converted (`new_record`),
-    saved at each status and every curve point so a crash leaves a readable record, by the writing rank (rank 0)
-    alone, each time merged with the record a resumed run continues (`write_record`)."""
+    """The record of the run in progress, `run_dir/results.json`, and the only writer of its fields: one method per
+    step of the run. Begun when the student is converted (`converted`, `new_record`); saved at each status and every
+    curve point so a crash leaves a readable record, by the writing rank (rank 0) alone, each time merged with the
+    record `earlier` that a resumed run continues (`write_record`). Its `timings` gather from the run's start."""
 
-    def __init__(self, run_dir: str | Path, fields: dict, earlier: dict | None = None, writer: bool = True):
-        self.path, self.fields, self.earlier, self.writer = Path(run_dir) / RESULTS, fields, earlier, writer
+    def __init__(self, run_dir: str | Path, earlier: dict | None = None, writer: bool = True):
+        self.path, self.earlier, self.writer = Path(run_dir) / RESULTS, earlier, writer
+        self.fields: dict = {}
+        self.timings: dict[str, float] = {}
 
-    def save(self, **fields) -> None:
-        """Add `fields` (a `status` the run has reached among them) and write the record."""
+    @contextlib.contextmanager
+    def timed(self, step: str):
+        """The seconds the block takes, as `timings.<step>`."""
+        start = time.perf_counter()
+        yield
+        self.timings[step] = round(time.perf_counter() - start, 3)
+
+    def converted(self, config: dict, num_layers: int, keep_layers: list[int], retention_scores: dict,
+                  kernel_path: str, **optional) -> None:
+        """The record begun: the run's settings, the keep list and its scores, the kernel (`new_record`)."""
+        self.fields = new_record(config, num_layers, keep_layers, retention_scores, kernel_path, self.timings,
+                                 **optional)
+        self._save()
+
+    def initialized(self, calibration: dict, weights_digest: str) -> None:
+        self._save(status="initialized", calibration=calibration, init_weights_digest=weights_digest)
+
+    def stage_point(self, kind: str, curve: dict) -> None:
+        """The curve of stage `kind` so far, at each of its evaluations."""
+        self.fields.setdefault("stages", {}).setdefault(kind, {})["curve"] = curve
+        self._save(curve=curve)
+
+    def stage_finished(self, kind: str, stage: dict, seconds: float) -> None:
+        """Stage `kind`'s record (`STAGE_RECORD`) and the seconds it took."""
+        self.timings[f"stage_{kind}"] = seconds
+        self.fields.setdefault("stages", {})[kind] = stage
+        self._save(status=f"trained_{kind}", curve=stage["curve"])
+
+    def evaluated(self, results: dict) -> None:
+        """The final evaluation's `metrics` (and `harness`, `ruler`); written with the status complete."""
+        self.fields.update(results)
+
+    def saved(self, folder: str | Path) -> None:
+        self.fields["student_path"] = str(folder)
+
+    def complete(self) -> None:
+        self._save(status="complete")
+
+    def _save(self, **fields) -> None:
         self.fields.update(fields)
         if self.writer:
             write_record(self.path, self.fields, self.earlier)

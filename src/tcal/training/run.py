@@ -1,6 +1,6 @@
 """Running the stages of the `stage` setting after the init: planning (checked before any work), Lightning Trainers,
 checkpoints and resume, the Stage 1 cache (`tcal.store.cache`, kind `stage1`), and the stage records of results.json
-(their fields: `tcal.store.record`), which a Lightning callback writes as the stages go (`RecordCallback`).
+(their fields: `tcal.store.record`).
 
 `stage=none` has no stages; `align` and `distill` have one; `align_distill` runs `stage.align` then
 `stage.distill`. Budgets are tokens: a stage runs max_tokens // (batch_size * seq_len * world size) steps and
@@ -35,7 +35,7 @@ from tcal.settings.relevance import cache_settings
 from tcal.store.cache import Codec, get_or_build, tensor_codec
 from tcal.store.files import atomic_checkpoint_io
 from tcal.store.fingerprint import digest, plain, teacher_fingerprint, weights_digest
-from tcal.store.record import Record, is_stage_record
+from tcal.store.record import is_stage_record
 from tcal.store.rerun import checkpoint_progress
 from tcal.teachers.load import torch_dtype
 from tcal.tracking import drop_rows_after, log_curve
@@ -316,41 +316,6 @@ def rebuilt_from(student, state: dict):
         fresh.get_submodule(owner)._buffers[leaf] = own[name]
     fresh.requires_grad_(False)
     return fresh
-
-
-class RecordCallback(L.Callback):
-    """Writes into the run's `Record` the curve so far at every evaluation's end (rank 0 holds it) and each stage's
-    record and status `trained_<kind>` as the stage ends (`train_stages`)."""
-
-    def __init__(self, record: Record):
-        self.record = record
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero:
-            self.record.fields.setdefault("stages", {}).setdefault(pl_module.kind, {})["curve"] = pl_module.curve
-            self.record.save(curve=pl_module.curve)
-
-    def on_stage_end(self, kind: str, stage_record: dict, seconds: float) -> None:
-        self.record.fields["timings"][f"stage_{kind}"] = seconds
-        self.record.fields.setdefault("stages", {})[kind] = stage_record
-        self.record.save(status=f"trained_{kind}", curve=stage_record["curve"])
-
-
-def train_stages(plans: list[StagePlan], ctx, student, logger=None, resume: bool = False):
-    """Train `student` through the planned stages, `ctx.extra_callbacks` on every stage's Trainer (a `RecordCallback`
-    also hears each stage end); returns (the student, the stage records). Mixed precision trains float32 weights."""
-    if plans and ctx.settings.trainer.mixed and student.dtype != torch.float32:
-        log.info("trainer.precision=%s: the student trains on float32 weights (it was %s); compute is autocast",
-                 ctx.settings.trainer.precision, student.dtype)
-        student.float()
-    records = {}
-    for plan in plans:
-        start = time.perf_counter()
-        records[plan.kind], student = run_stage(plan, ctx, student, logger, resume)
-        for callback in ctx.extra_callbacks:
-            if isinstance(callback, RecordCallback):
-                callback.on_stage_end(plan.kind, records[plan.kind], round(time.perf_counter() - start, 3))
-    return student, records
 
 
 def run_stage(plan: StagePlan, ctx, student, logger, resume: bool):

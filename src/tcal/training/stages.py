@@ -231,7 +231,7 @@ class StageModule(PerplexityValidation):
 
     def on_perplexities(self, ppl: dict[str, float]) -> None:
         """One curve point per eval set at `tokens_seen`: logged with it as the step, kept in `curve` (for the record:
-        `tcal.training.run.RecordCallback`). A non-finite perplexity stops the stage on every rank (the sums were
+        `tcal.pipeline.RecordCallback`). A non-finite perplexity stops the stage on every rank (the sums were
         reduced over ranks, so all of them see it) before the point or a checkpoint is kept."""
         tokens = int(self.tokens_seen)
         for name, value in ppl.items():
