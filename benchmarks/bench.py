@@ -51,7 +51,7 @@ from plan_activations import bench_plan_activations
 from ruler_cost import RULER_LENGTHS, RULER_N, RULER_TASKS, bench_ruler
 from training_steps import bench_kl_memory, bench_plan, bench_stage1, bench_stage2
 
-from tcal.student.gdn import chunk_gated_delta_rule_torch
+from tcal.student.gdn_torch import chunk_gated_delta_rule_torch
 
 
 def rule_inputs(T: int, heads: int = 9, dim: int = 64, batch: int = 1, seed: int = 0):

@@ -100,7 +100,7 @@ def compose_cfg(*overrides: str):
 def check_kernels() -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from tcal.student.gdn import chunk_gated_delta_rule_torch
+    from tcal.student.gdn_torch import chunk_gated_delta_rule_torch
     from tcal.student.stack import gdn_kernel_for
 
     try:
