@@ -326,15 +326,17 @@ def changed_inputs(recorded: dict, now: dict, data: DataSettings) -> list[str]:
             if now["splits"].get(split) != value]
 
 
+def document_ids(texts: list[str], tokenizer) -> list[list[int]]:
+    """Each text's token ids followed by the EOS token (where the tokenizer has one): the one way text becomes tokens,
+    for the in-memory streams (`tokenize_documents`) and the token store's shards alike."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return [list(tokenizer(text, add_special_tokens=False)["input_ids"]) + eos for text in texts]
+
+
 def tokenize_documents(docs: list[Document], tokenizer) -> torch.Tensor:
-    """All documents tokenized and joined with the EOS token, as one 1D LongTensor (call `token_stream`)."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for doc in docs:
-        ids += tokenizer(doc.text, add_special_tokens=False)["input_ids"]
-        if eos is not None:
-            ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
+    """All documents' `document_ids` joined, as one 1D LongTensor (call `token_stream`)."""
+    ids = document_ids([doc.text for doc in docs], tokenizer)
+    return torch.tensor([token for doc_ids in ids for token in doc_ids], dtype=torch.long)
 
 
 # (id of the tokenizer, the documents) -> (the tokenizer, kept so its id stays its own, the stream); newest last

@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from tcal.data.documents import Document, StreamedDocuments, token_stream
+from tcal.data.documents import Document, StreamedDocuments, document_ids, token_stream
 from tcal.errors import DataError
 from tcal.runtime.progress import progress
 from tcal.store.cache import key_lock
@@ -279,12 +279,10 @@ def _start_worker(tokenizer) -> None:
     _worker_tokenizer = tokenizer
 
 
-def document_ids(texts: list[str], tokenizer=None) -> list[np.ndarray]:
-    """Each text's token ids followed by the EOS token (as `tokenize_documents` joins them), as int32 arrays."""
-    tokenizer = tokenizer if tokenizer is not None else _worker_tokenizer
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return [np.asarray(list(tokenizer(text, add_special_tokens=False)["input_ids"]) + eos, dtype=TOKEN_DTYPE)
-            for text in texts]
+def token_arrays(texts: list[str], tokenizer=None) -> list[np.ndarray]:
+    """Each text's `document_ids` as an int32 array, with `tokenizer` or, in a pool's worker, the worker's own."""
+    ids = document_ids(texts, tokenizer if tokenizer is not None else _worker_tokenizer)
+    return [np.asarray(doc_ids, dtype=TOKEN_DTYPE) for doc_ids in ids]
 
 
 def batches(documents: Iterable[Document], size: int) -> Iterator[list[str]]:
@@ -299,7 +297,7 @@ def batches(documents: Iterable[Document], size: int) -> Iterator[list[str]]:
 
 
 def tokenized(documents: Iterable[Document], tokenizer, workers: int) -> Iterator[np.ndarray]:
-    """Each document's ids (`document_ids`), in document order: in this process for one worker or a single batch,
+    """Each document's ids (`token_arrays`), in document order: in this process for one worker or a single batch,
     else in a pool of `workers` processes with at most `TASKS_AHEAD` batches per worker in flight."""
     texts = batches(documents, DOCUMENTS_PER_TASK)
     first = next(texts, None)
@@ -308,15 +306,15 @@ def tokenized(documents: Iterable[Document], tokenizer, workers: int) -> Iterato
         return
     if workers <= 1 or second is None:
         for batch in filter(None, (first, second)):
-            yield from document_ids(batch, tokenizer)
-        yield from (ids for batch in texts for ids in document_ids(batch, tokenizer))
+            yield from token_arrays(batch, tokenizer)
+        yield from (ids for batch in texts for ids in token_arrays(batch, tokenizer))
         return
     with ProcessPoolExecutor(workers, mp_context=pool_context(), initializer=_start_worker,
                              initargs=(tokenizer,)) as pool:
         queued: collections.deque = collections.deque()
         try:
             for batch in _chain(first, second, texts):
-                queued.append(pool.submit(document_ids, batch))
+                queued.append(pool.submit(token_arrays, batch))
                 if len(queued) >= workers * TASKS_AHEAD:
                     yield from queued.popleft().result()
             while queued:
