@@ -88,8 +88,8 @@ def plugin_env(tmp_path_factory):
         path.write_text(textwrap.dedent(text).lstrip())
     assert sorted(p.relative_to(package).as_posix() for p in package.rglob("*") if p.is_file()) == [
         "conf/init/toy_gate.yaml", "conf/retention/last.yaml", "last.py", "toy_gate.py"]
-    return {**os.environ, "TCAL_PLUGINS": "toy_options", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1", "TCAL_CACHE_DIR": isolated_cache_dir(root / "cache")}
+    return {**os.environ, "TCAL_PLUGINS": "toy_options", "PYTHONPATH": f"{root}{os.pathsep}{REPO / 'src'}",
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TCAL_CACHE_DIR": isolated_cache_dir(root / "cache")}
 
 
 def run(args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
