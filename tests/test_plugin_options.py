@@ -35,11 +35,7 @@ from tcal.settings.init import InitSettings
 @dataclass
 class ToyGateSettings(InitSettings):
     name: str = setting("toy_gate", affects=[INIT])
-    gate_scale: float = setting(0.5, affects=[INIT])
-
-    def check(self) -> None:
-        super().check()
-        positive_number("gate_scale", self.gate_scale)
+    gate_scale: float = setting(0.5, affects=[INIT], check=positive_number)
 
 
 @INIT_MODES.option("toy_gate", ToyGateSettings)
@@ -92,8 +88,8 @@ def plugin_env(tmp_path_factory):
         path.write_text(textwrap.dedent(text).lstrip())
     assert sorted(p.relative_to(package).as_posix() for p in package.rglob("*") if p.is_file()) == [
         "conf/init/toy_gate.yaml", "conf/retention/last.yaml", "last.py", "toy_gate.py"]
-    return {**os.environ, "TCAL_PLUGINS": "toy_options", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1", "TCAL_CACHE_DIR": isolated_cache_dir(root / "cache")}
+    return {**os.environ, "TCAL_PLUGINS": "toy_options", "PYTHONPATH": f"{root}{os.pathsep}{REPO / 'src'}",
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TCAL_CACHE_DIR": isolated_cache_dir(root / "cache")}
 
 
 def run(args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
@@ -374,6 +370,66 @@ def test_a_settings_class_that_keeps_its_base_s_name_runs_the_base_s_option(toy_
     built = INIT_MODES["unnamed"].settings(scale=0.25)
     assert INIT_MODES["unnamed"].make_settings(scale=0.25).name == "unnamed"
     assert built.name == "naive" and INIT_MODES[built.name].implementation is not INIT_MODES["unnamed"].implementation
+
+
+BOUNDED = '''
+from dataclasses import dataclass
+
+from tcal.registry import INIT_MODES, POLICIES
+from tcal.retention import Selection
+from tcal.settings.fields import INIT, KEEP, SCORES, declared, one_of, positive_number, setting
+from tcal.settings.init import InitSettings
+from tcal.settings.retention import RetentionSettings
+
+
+@declared
+@dataclass
+class ScaledSettings(InitSettings):
+    name: str = setting("scaled", affects=[INIT])
+    scale: float = setting(0.5, affects=[INIT], check=positive_number)
+    side: str = setting("left", affects=[INIT], check=one_of(["left", "right"]))
+
+
+@INIT_MODES.option("scaled", ScaledSettings)
+def scaled(gdns, init, ctx) -> dict:
+    return {}
+
+
+@declared
+@dataclass
+class QuarterSettings(RetentionSettings):
+    name: str = setting("quarter", affects=[SCORES, KEEP])
+    ratio: float = setting(0.25, affects=[KEEP])  # another default, the base's bound
+
+
+@POLICIES.option("quarter", QuarterSettings)
+def quarter(retention, ctx) -> Selection:
+    return Selection(retention.planned_keep(ctx.num_layers))
+'''
+
+
+@pytest.mark.parametrize("group, values, message", [
+    ("init", {"name": "scaled", "scale": -1}, "init.scale=-1; expected a number > 0"),
+    ("init", {"name": "scaled", "side": "up"}, "init.side='up'; expected one of left, right"),
+    ("retention", {"name": "quarter", "ratio": 2}, "retention.ratio=2 must lie in (0, 1]"),
+])
+def test_a_plugin_field_s_declared_bound_is_enforced_naming_the_key(toy_kinds, group, values, message):
+    """A plugin's settings declare their bounds beside their fields as tcal's do (`setting(..., check=...)`); a field
+    declared again with another default keeps its base's bound. Built from a config the error names the key under
+    its group, built in Python under the class."""
+    from tcal.registry import INIT_MODES, POLICIES
+    from tcal.settings.conversion import run_settings
+    from tcal.settings.fields import SettingError
+
+    (toy_kinds / "bounded.py").write_text(textwrap.dedent(BOUNDED))
+    registry = {"init": INIT_MODES, "retention": POLICIES}[group]
+    settings_class = registry[values["name"]].settings
+    with pytest.raises(ConfigError) as refused:
+        run_settings({group: values})
+    assert str(refused.value) == message
+    with pytest.raises(SettingError) as built:
+        settings_class(**{key: value for key, value in values.items() if key != "name"})
+    assert str(built.value) == message.replace(f"{group}.", f"{settings_class.__name__}.", 1)
 
 
 def option_tables(text: str, option_names: list[set[str]]) -> list[int]:

@@ -199,3 +199,58 @@ def test_a_settings_object_built_in_python_names_its_class_and_field():
         PoolSettings(tokens=-1)
     with pytest.raises(ConfigError, match=r"^init.pool.tokens=1000; expected a multiple of calibration.seq_len=256"):
         RunSettings(init=FullPlusSettings(pool=PoolSettings(tokens=1000)))
+
+
+def _names_its_own_field(call) -> bool:
+    """`f("steps", self.steps, ...)` or `f(key, getattr(self, key))`: a check that repeats the name of the field it
+    checks (`bad(...)`, the message of a check relating fields, may name the field it blames)."""
+    import ast
+
+    if len(call.args) < 2 or getattr(call.func, "id", None) == "bad":
+        return False
+    key, value = call.args[0], call.args[1]
+    if isinstance(key, ast.Constant) and isinstance(value, ast.Attribute):
+        return isinstance(value.value, ast.Name) and value.value.id == "self" and value.attr == key.value
+    return (isinstance(key, ast.Name) and isinstance(value, ast.Call) and getattr(value.func, "id", None) == "getattr"
+            and len(value.args) == 2 and isinstance(value.args[1], ast.Name) and value.args[1].id == key.id)
+
+
+def test_a_field_s_own_bound_is_declared_beside_it_not_repeated_in_check():
+    """One place for a field's bound, `setting(..., check=...)`, run under the field's name (`check_fields`): no
+    settings module checks a field by writing its name again."""
+    import ast
+
+    found = [f"{path.name}:{node.lineno}" for path in sorted((SRC / "settings").glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+             and _names_its_own_field(node)]
+    assert found == []
+    from tcal.settings import DataSettings, HubDataSettings
+
+    def bound_of(cls, name):
+        return next(field.metadata.get("check") for field in dataclasses.fields(cls) if field.name == name)
+
+    # a field declared again with another default keeps its base's bound
+    assert bound_of(HubDataSettings, "calibration_docs") is bound_of(DataSettings, "calibration_docs") is not None
+
+
+def test_a_declared_bound_runs_before_the_checks_that_relate_fields_and_must_be_a_function():
+    from tcal.settings.fields import SettingError, declared, positive_int
+
+    seen = []
+
+    @declared
+    @dataclasses.dataclass
+    class Window(Settings):
+        start: int = setting(0, affects=["ppl"])
+        length: int = setting(8, affects=["ppl"], check=positive_int)
+
+        def check(self) -> None:
+            seen.append(self.length)
+
+    with pytest.raises(SettingError, match=r"^Window.length=0; expected a positive integer$"):
+        Window(length=0)
+    assert seen == []
+    Window(length=3)
+    assert seen == [3]
+    with pytest.raises(TypeError, match=r"check='positive': expected a function of \(key, value\)"):
+        setting(1, affects=["ppl"], check="positive")

@@ -17,10 +17,13 @@ from tcal.settings.fields import (
     SettingError,
     Settings,
     bad,
+    bound,
     declared,
+    each,
     is_number,
+    nonblank,
     one_of,
-    optional_positive_int,
+    optional,
     positive_int,
     seed_value,
     setting,
@@ -28,6 +31,13 @@ from tcal.settings.fields import (
 
 SOURCES = ("shakespeare", "files", "datasets")
 TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def text_file(key: str, path) -> None:
+    """A .txt file is one document, a .jsonl file one per line (tcal.data.documents)."""
+    if Path(str(path)).suffix not in TEXT_SUFFIXES:
+        raise bad(key, str(path), "a .txt file (one document) or a .jsonl file (one per line, field text); other "
+                                  "formats: data.source=datasets")
 
 
 @declared
@@ -42,42 +52,32 @@ class DataSettings(Settings):
 
     schema = "data/data"
 
-    name: Optional[str] = setting(None, affects=[PPL])  # the held-out split's name as an eval set (null: its source's)
-    source: str = setting("shakespeare", affects=EVERYTHING)
-    files: List[str] = setting(affects=EVERYTHING, factory=list)  # with source=files: local .txt / .jsonl documents
-    split_seed: int = setting(0, affects=EVERYTHING)
-    calibration_docs: int = setting(2, affects=EVERYTHING)  # documents held out for calibration / selection
-    evaluation_docs: int = setting(4, affects=[TRAIN, *EVALUATION])  # the calibration split stays as it is
-    eval_files: List[str] = setting(affects=[PPL], factory=list)
+    # the held-out split's name as an eval set (null: its source's)
+    name: Optional[str] = setting(None, affects=[PPL], check=optional(nonblank(
+        "the held-out split's name as an eval set, or null (named by its source)")))
+    source: str = setting("shakespeare", affects=EVERYTHING, check=one_of(SOURCES))
+    # with source=files: local .txt / .jsonl documents
+    files: List[str] = setting(affects=EVERYTHING, factory=list, check=each(text_file))
+    split_seed: int = setting(0, affects=EVERYTHING, check=seed_value)
+    # documents held out for calibration / selection
+    calibration_docs: int = setting(2, affects=EVERYTHING, check=positive_int)
+    # the calibration split stays as it is
+    evaluation_docs: int = setting(4, affects=[TRAIN, *EVALUATION], check=positive_int)
+    eval_files: List[str] = setting(affects=[PPL], factory=list, check=each(text_file))
     # fraction of Stage 1 and Stage 2 samples replaced by synthetic retrieval sequences (0: off)
-    retrieval_mix: float = setting(0.0, affects=[TRAIN])
+    retrieval_mix: float = setting(0.0, affects=[TRAIN], check=bound(
+        lambda v: is_number(v) and 0.0 <= v < 1.0, "a fraction in [0, 1) of training samples (0: no retrieval mix)"))
     # a streamed source's retrieval sequences are cut from (and take their key words from) this many store tokens
-    retrieval_sample_tokens: int = setting(4_000_000, affects=[TRAIN])
-    max_tokens: Optional[int] = setting(None, affects=[TRAIN])  # the training tokens kept (null: every one)
-    shard_tokens: int = setting(50_000_000, affects=NOTHING)  # tokens per file of the token store
-    workers: Optional[int] = setting(None, affects=NOTHING)  # tokenizing processes (null: this process's CPUs)
+    retrieval_sample_tokens: int = setting(4_000_000, affects=[TRAIN], check=positive_int)
+    # the training tokens kept (null: every one)
+    max_tokens: Optional[int] = setting(None, affects=[TRAIN], check=optional(positive_int))
+    shard_tokens: int = setting(50_000_000, affects=NOTHING, check=positive_int)  # tokens per file of the token store
+    # tokenizing processes (null: this process's CPUs)
+    workers: Optional[int] = setting(None, affects=NOTHING, check=optional(positive_int))
 
     def check(self) -> None:
-        one_of("source", self.source, SOURCES)
-        seed_value("split_seed", self.split_seed)
-        positive_int("calibration_docs", self.calibration_docs)
-        positive_int("evaluation_docs", self.evaluation_docs)
-        positive_int("retrieval_sample_tokens", self.retrieval_sample_tokens)
-        optional_positive_int("max_tokens", self.max_tokens)
-        positive_int("shard_tokens", self.shard_tokens)
-        optional_positive_int("workers", self.workers)
-        if not is_number(self.retrieval_mix) or not 0.0 <= self.retrieval_mix < 1.0:
-            raise bad("retrieval_mix", self.retrieval_mix, "a fraction in [0, 1) of training samples (0: no "
-                      "retrieval mix)")
         if self.source == "files" and not self.files:
             raise SettingError(Key("files"), "=[]; ", Key("source"), "=files needs at least one .txt or .jsonl file")
-        for key, paths in (("files", self.files), ("eval_files", self.eval_files)):
-            for path in paths:  # a .txt file is one document, a .jsonl file one per line (tcal.data.documents)
-                if Path(str(path)).suffix not in TEXT_SUFFIXES:
-                    raise bad(f"{key} entry", str(path), "a .txt file (one document) or a .jsonl file (one per line, "
-                                                          "field text); other formats: data.source=datasets")
-        if self.name is not None and not (isinstance(self.name, str) and self.name.strip()):
-            raise bad("name", self.name, "the held-out split's name as an eval set, or null (named by its source)")
         stems = [self.eval_name()] + [Path(path).stem for path in self.eval_files]
         repeated = sorted({stem for stem in stems if stems.count(stem) > 1})
         if repeated:
@@ -95,6 +95,9 @@ class DataSettings(Settings):
         return self.source
 
 
+hub_name = nonblank("a name (a hub id or builder, a split, a field of the rows)")
+
+
 @declared
 @dataclass
 class HubDataSettings(DataSettings):
@@ -106,22 +109,15 @@ class HubDataSettings(DataSettings):
 
     name: Optional[str] = setting(None, affects=[PPL])
     source: str = setting("datasets", affects=EVERYTHING)
-    dataset: str = setting("Salesforce/wikitext", affects=EVERYTHING)
+    dataset: str = setting("Salesforce/wikitext", affects=EVERYTHING, check=hub_name)
     subset: Optional[str] = setting("wikitext-103-raw-v1", affects=EVERYTHING)
-    split: str = setting("train", affects=EVERYTHING)
+    split: str = setting("train", affects=EVERYTHING, check=hub_name)
     streaming: bool = setting(False, affects=EVERYTHING)
-    text_field: str = setting("text", affects=EVERYTHING)
+    text_field: str = setting("text", affects=EVERYTHING, check=hub_name)
     data_files: Any = setting(None, affects=EVERYTHING)  # a mapping of split to files, passed to the builder as it is
-    max_documents: Optional[int] = setting(20000, affects=EVERYTHING)
+    max_documents: Optional[int] = setting(20000, affects=EVERYTHING, check=optional(positive_int))
     calibration_docs: int = setting(500, affects=EVERYTHING)
     evaluation_docs: int = setting(2000, affects=[TRAIN, *EVALUATION])
-
-    def check(self) -> None:
-        super().check()
-        optional_positive_int("max_documents", self.max_documents)
-        for key in ("dataset", "split", "text_field"):
-            if not isinstance(getattr(self, key), str) or not getattr(self, key).strip():
-                raise bad(key, getattr(self, key), "a name (a hub id or builder, a split, a field of the rows)")
 
     def eval_name(self) -> str:
         """`name`, else the dataset's: the last part of its hub id or folder (`fineweb_edu` for

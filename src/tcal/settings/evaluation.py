@@ -17,9 +17,10 @@ from tcal.settings.fields import (
     Settings,
     bad,
     declared,
+    each,
     is_int,
     one_of,
-    optional_positive_int,
+    optional,
     positive_int,
     seed_value,
     setting,
@@ -35,10 +36,7 @@ NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue")  # read one s
 class HarnessSettings(Settings):
     """`none`: no lm-eval harness."""
 
-    name: str = setting("none", affects=[HARNESS])
-
-    def check(self) -> None:
-        one_of("name", self.name, HARNESSES.names())
+    name: str = setting("none", affects=[HARNESS], check=one_of(HARNESSES.names))
 
 
 @declared
@@ -47,19 +45,12 @@ class LocalHarnessSettings(HarnessSettings):
     """`local`: lm-eval on tasks built from held-out text (offline)."""
 
     name: str = setting("local", affects=[HARNESS])
-    n_examples: int = setting(200, affects=[HARNESS])  # examples generated per task
+    n_examples: int = setting(200, affects=[HARNESS], check=positive_int)  # examples generated per task
     # examples evaluated per task (null: all); keeps the CPU main job short
-    limit: Optional[int] = setting(40, affects=[HARNESS])
-    seed: int = setting(0, affects=[HARNESS])
-    batch_size: int = setting(8, affects=[HARNESS])
-    max_length: int = setting(512, affects=[HARNESS])
-
-    def check(self) -> None:
-        super().check()
-        for key in ("n_examples", "batch_size", "max_length"):
-            positive_int(key, getattr(self, key))
-        optional_positive_int("limit", self.limit)
-        seed_value("seed", self.seed)
+    limit: Optional[int] = setting(40, affects=[HARNESS], check=optional(positive_int))
+    seed: int = setting(0, affects=[HARNESS], check=seed_value)
+    batch_size: int = setting(8, affects=[HARNESS], check=positive_int)
+    max_length: int = setting(512, affects=[HARNESS], check=positive_int)
 
 
 @declared
@@ -68,15 +59,9 @@ class PaperHarnessSettings(HarnessSettings):
     """`paper`: the paper's zero-shot tasks and MMLU 5-shot (needs the dataset hub)."""
 
     name: str = setting("paper", affects=[HARNESS])
-    limit: Optional[int] = setting(None, affects=[HARNESS])
-    batch_size: int = setting(8, affects=[HARNESS])
-    max_length: int = setting(2048, affects=[HARNESS])
-
-    def check(self) -> None:
-        super().check()
-        positive_int("batch_size", self.batch_size)
-        positive_int("max_length", self.max_length)
-        optional_positive_int("limit", self.limit)
+    limit: Optional[int] = setting(None, affects=[HARNESS], check=optional(positive_int))
+    batch_size: int = setting(8, affects=[HARNESS], check=positive_int)
+    max_length: int = setting(2048, affects=[HARNESS], check=positive_int)
 
 
 @declared
@@ -84,10 +69,7 @@ class PaperHarnessSettings(HarnessSettings):
 class RulerSettings(Settings):
     """`none`: no RULER-style needles."""
 
-    name: str = setting("none", affects=[RULER])
-
-    def check(self) -> None:
-        one_of("name", self.name, RULERS.names())
+    name: str = setting("none", affects=[RULER], check=one_of(RULERS.names))
 
 
 @declared
@@ -96,27 +78,29 @@ class NeedleRulerSettings(RulerSettings):
     """`default`: RULER-style needle-in-a-haystack tasks over held-out text, `n` examples per task and length."""
 
     name: str = setting("default", affects=[RULER])
-    lengths: List[int] = setting(affects=[RULER], factory=lambda: [512, 1024, 2048, 4096])
-    tasks: List[str] = setting(affects=[RULER], factory=lambda: list(RULER_TASKS))
-    n: int = setting(10, affects=[RULER])
-    seed: int = setting(0, affects=[RULER])
+    lengths: List[int] = setting(affects=[RULER], factory=lambda: [512, 1024, 2048, 4096], check=each(positive_int))
+    tasks: List[str] = setting(affects=[RULER], factory=lambda: list(RULER_TASKS), check=each(one_of(RULER_TASKS)))
+    n: int = setting(10, affects=[RULER], check=positive_int)
+    seed: int = setting(0, affects=[RULER], check=seed_value)
     # examples of one length and task decoded together (tcal.evaluate.ruler.generate_batch): the same greedy replies
     # as one by one up to a near-tie broken by rounding, so it is in the scores' key. At 4 a process generating
     # SmolLM2's RULER at 4,096 tokens on a CPU peaked at 2.6 GB (4.1 GB at 8); a GPU takes more
-    batch_size: int = setting(4, affects=[RULER])
+    batch_size: int = setting(4, affects=[RULER], check=positive_int)
 
     def check(self) -> None:
-        super().check()
         if not self.lengths or not self.tasks:
             raise SettingError(Key("lengths"), f"={list(self.lengths)}, ", Key("tasks"), f"={list(self.tasks)}; "
                                f"expected at least one of each (or eval/ruler=none)")
-        for length in self.lengths:
-            positive_int("lengths entry", length)
-        for task in self.tasks:
-            one_of("tasks entry", task, RULER_TASKS)
-        positive_int("n", self.n)
-        seed_value("seed", self.seed)
-        positive_int("batch_size", self.batch_size)
+
+
+def an_option_of(registry):
+    """The settings of one of `registry`'s options (`eval/harness=<name>`)."""
+    def check(key: str, value) -> None:
+        options = {option.name: option.settings for option in registry.options()}
+        if not isinstance(value, tuple(options.values())):
+            raise bad(key, value, f"an option of {registry.group}: {', '.join(options)} ({registry.group}=none turns "
+                                  f"it off)")
+    return check
 
 
 @declared
@@ -127,22 +111,14 @@ class EvalSettings(Settings):
 
     schema = "eval/eval"
 
-    seq_len: int = setting(512, affects=[PPL])
-    num_windows: int = setting(16, affects=[PPL])
-    batch_size: int = setting(4, affects=[PPL])
+    seq_len: int = setting(512, affects=[PPL], check=window_length)
+    num_windows: int = setting(16, affects=[PPL], check=positive_int)
+    batch_size: int = setting(4, affects=[PPL], check=positive_int)
     position_buckets: Optional[List[int]] = setting(None, affects=[PPL])  # first position of each bucket
-    harness: Any = setting(affects=[HARNESS], factory=LocalHarnessSettings)
-    ruler: Any = setting(affects=[RULER], factory=RulerSettings)
+    harness: Any = setting(affects=[HARNESS], factory=LocalHarnessSettings, check=an_option_of(HARNESSES))
+    ruler: Any = setting(affects=[RULER], factory=RulerSettings, check=an_option_of(RULERS))
 
     def check(self) -> None:
-        positive_int("num_windows", self.num_windows)
-        positive_int("batch_size", self.batch_size)
-        window_length("seq_len", self.seq_len)
-        for name, registry in (("harness", HARNESSES), ("ruler", RULERS)):
-            options = {option.name: option.settings for option in registry.options()}
-            if not isinstance(getattr(self, name), tuple(options.values())):
-                raise bad(name, getattr(self, name), f"an option of eval/{name}: {', '.join(options)} "
-                                                     f"(eval/{name}=none turns it off)")
         starts = self.position_buckets
         if starts is not None:
             ok = (starts and starts[0] == 0 and all(is_int(s) for s in starts)

@@ -15,17 +15,24 @@ ones by their own digests). From that one declaration:
 A field without the declaration is refused when its class is defined (`declared`), so a new knob cannot drop out
 of the cache keys.
 
-Checks: each settings class checks its own fields when it is built (`Settings.check`, run from `__post_init__`),
-raising `SettingError` with the field's name relative to the object. Whoever knows where the object sits places
-the error (`SettingError.placed`): `tcal`'s converter says `init.pool.tokens=...`, a notebook that built
-`PoolSettings(tokens=-1)` reads `PoolSettings.tokens=-1`.
+Checks: a field declares its own bound beside its default, a function of (key, value) that raises `SettingError`:
+
+    steps: int = setting(300, affects=[INIT], check=positive_int)
+    probe: str = setting("bypass", affects=[SCORES], check=one_of(PROBES))
+
+Each settings object runs its fields' bounds when it is built (`check_fields`, from `__post_init__`), each under
+the field's own name, then its `check()`: the checks that relate several fields. A subclass that declares a field
+again (another default) keeps the bound of its base's field unless it declares its own. The errors name the field
+relative to the object; whoever knows where the object sits places them (`SettingError.placed`): `tcal`'s
+converter says `init.pool.tokens=...`, a notebook that built `PoolSettings(tokens=-1)` reads `PoolSettings.tokens=-1`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable
+import types
+from typing import Any, Callable, Iterable
 
 from tcal.errors import ConfigError
 
@@ -35,17 +42,22 @@ RESULT = (SCORES, KEEP, INIT, TRAIN)  # what the run builds
 EVALUATION = (PPL, HARNESS, RULER)  # what it measures of it
 EVERYTHING = PRODUCTS
 NOTHING: tuple[str, ...] = ()
-AFFECTS = "affects"  # the field metadata key
+AFFECTS = "affects"  # the field metadata keys: the products a field changes, and its bound
+CHECK = "check"
 REQUIRED = "???"  # OmegaConf's mark of a value a config must set (`omegaconf.MISSING`)
 
 
-def setting(default: Any = dataclasses.MISSING, *, affects: Iterable[str], factory=None) -> Any:
-    """A settings field with its default (or `factory` for a mutable default) and the products it changes."""
+def setting(default: Any = dataclasses.MISSING, *, affects: Iterable[str], factory=None,
+            check: Check | None = None) -> Any:
+    """A settings field with its default (or `factory` for a mutable default), the products it changes and its
+    bound (`check(key, value)`, raising SettingError)."""
     products = frozenset(affects)
     unknown = sorted(products - set(PRODUCTS))
     if unknown:
         raise ValueError(f"affects={sorted(products)}: {unknown} are not products; expected some of {PRODUCTS}")
-    metadata = {AFFECTS: products}
+    if check is not None and not callable(check):
+        raise TypeError(f"check={check!r}: expected a function of (key, value), e.g. tcal.settings.fields.positive_int")
+    metadata = {AFFECTS: products, **({CHECK: check} if check is not None else {})}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -63,12 +75,24 @@ def relevance(products: Iterable[str]) -> str:
 
 def declared(cls):
     """Class decorator after @dataclass: every field of `cls` declares what it affects (TypeError naming the field
-    otherwise), so no settings field can be added without saying whether it changes the result."""
+    otherwise), so no settings field can be added without saying whether it changes the result. A field declared
+    again without a bound takes its base's."""
+    base = next((b for b in cls.__mro__[1:] if dataclasses.is_dataclass(b)), None)
+    inherited = {f.name: f.metadata[CHECK] for f in dataclasses.fields(base) if CHECK in f.metadata} if base else {}
     for field in dataclasses.fields(cls):
         if AFFECTS not in field.metadata:
             raise TypeError(f"{cls.__name__}.{field.name}: a settings field must declare what it affects "
                             f"(tcal.settings.fields.setting(..., affects=...))")
+        if CHECK not in field.metadata and field.name in inherited:
+            field.metadata = types.MappingProxyType({**field.metadata, CHECK: inherited[field.name]})
     return cls
+
+
+def check_fields(settings) -> None:
+    """Each field's declared bound, run on its value under its name."""
+    for field in dataclasses.fields(settings):
+        if CHECK in field.metadata:
+            field.metadata[CHECK](field.name, getattr(settings, field.name))
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -112,16 +136,26 @@ class Settings:
     """Base of the settings dataclasses: an object checks its own fields when it is built."""
 
     def __post_init__(self):
+        self.checked(self.check)
+
+    def checked(self, *relations: Callable[[], None]) -> None:
+        """The fields' bounds, then `relations`; a SettingError owned by this class."""
         try:
-            self.check()
+            check_fields(self)
+            for relation in relations:
+                relation()
         except SettingError as err:
             raise err.owned_by(type(self).__name__) from None
 
     def check(self) -> None:
-        """Raise SettingError for a bad field (nothing to check by default)."""
+        """Raise SettingError for fields that do not fit together (each field's own bound is declared with it)."""
 
 
 # ------------------------------------------------------------------------------------------------ checks
+# A check is a function of (key, value) that raises SettingError naming the key: a field's bound (`setting(...,
+# check=...)`), also callable by hand.
+
+Check = Callable[[str, Any], None]
 
 
 def is_int(value) -> bool:
@@ -132,62 +166,79 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def one_of(key: str, value, allowed: Iterable) -> None:
-    allowed = list(allowed)
-    if value not in allowed:
-        raise bad(key, value, f"one of {', '.join(map(str, allowed))}")
+def bound(test: Callable[[Any], bool], expected: str) -> Check:
+    """`<key>=<value>; expected <expected>` for a value that fails `test`."""
+    def check(key: str, value) -> None:
+        if not test(value):
+            raise bad(key, value, expected)
+    return check
 
 
-def positive_int(key: str, value) -> None:
-    if not is_int(value) or value <= 0:
-        raise bad(key, value, "a positive integer")
+def at_least(low, expected: str | None = None, *, integer: bool = False) -> Check:
+    """A number (`integer`: an integer) >= `low`."""
+    kind = is_int if integer else is_number
+    return bound(lambda v: kind(v) and v >= low, expected or f"{'an integer' if integer else 'a number'} >= {low}")
 
 
-def optional_positive_int(key: str, value) -> None:
-    if value is not None:
-        positive_int(key, value)
+def above(low, expected: str | None = None, *, integer: bool = False) -> Check:
+    """A number (`integer`: an integer) > `low`."""
+    kind = is_int if integer else is_number
+    return bound(lambda v: kind(v) and v > low, expected or f"{'an integer' if integer else 'a number'} > {low}")
 
 
-def positive_number(key: str, value, what: str = "a number > 0") -> None:
-    if not is_number(value) or value <= 0:
-        raise bad(key, value, what)
+def between(low, high, expected: str | None = None) -> Check:
+    """A number in [low, high]."""
+    return bound(lambda v: is_number(v) and low <= v <= high, expected or f"a number in [{low}, {high}]")
 
 
-def learning_rate(key: str, value) -> None:
-    positive_number(key, value, "a learning rate > 0")
+def one_of(allowed: Iterable | Callable[[], Iterable], *, as_text: bool = False) -> Check:
+    """One of `allowed` (or of what it returns when called: a registry's `names`, read when checked); `as_text`:
+    the value's text is (`16` for "16")."""
+    def check(key: str, value) -> None:
+        names = list(allowed() if callable(allowed) else allowed)
+        value = str(value) if as_text else value
+        if value not in names:
+            raise bad(key, value, f"one of {', '.join(map(str, names))}")
+    return check
 
 
-def non_negative(key: str, value) -> None:
-    if not is_number(value) or value < 0:
-        raise bad(key, value, "a number >= 0")
+def distinct(allowed: Iterable | Callable[[], Iterable]) -> Check:
+    """A non-empty list without repeats of names from `allowed` (or of what it returns when called)."""
+    def check(key: str, values) -> None:
+        values, names = list(values), list(allowed() if callable(allowed) else allowed)
+        if not values or any(v not in names for v in values) or len(set(values)) != len(values):
+            raise SettingError(Key(key), f"={values}; expected a non-empty list without repeats of {', '.join(names)}")
+    return check
 
 
-def fraction(key: str, value, what: str = "a number in [0, 1]") -> None:
-    if not is_number(value) or not 0.0 <= value <= 1.0:
-        raise bad(key, value, what)
+def optional(check: Check) -> Check:
+    """None, or what `check` takes."""
+    return lambda key, value: None if value is None else check(key, value)
 
 
-def window_length(key: str, value) -> None:
-    """A window the run predicts tokens in: at least 2 tokens (with 1 nothing is predicted, and a token budget
-    becomes one step per token)."""
-    if not is_int(value) or value < 2:
-        raise bad(key, value, "an integer >= 2 (a window needs a next token to predict)")
+def each(check: Check) -> Check:
+    """A list whose every entry `check` takes (named `<key> entry`)."""
+    def check_entries(key: str, values) -> None:
+        for value in values:
+            check(f"{key} entry", value)
+    return check_entries
 
 
-def distinct_names(key: str, values, allowed: Iterable[str], what: str) -> None:
-    """A non-empty list without repeats of names from `allowed`."""
-    values, allowed = list(values), list(allowed)
-    if not values or any(v not in allowed for v in values) or len(set(values)) != len(values):
-        raise SettingError(Key(key), f"={values}; expected a non-empty list without repeats of {', '.join(allowed)}"
-                           + (f" ({what})" if what else ""))
+positive_int = above(0, "a positive integer", integer=True)
+positive_number = above(0)
+learning_rate = above(0, "a learning rate > 0")
+non_negative = at_least(0)
+# a window the run predicts tokens in: with 1 token nothing is predicted, and a token budget becomes a step a token
+window_length = at_least(2, "an integer >= 2 (a window needs a next token to predict)", integer=True)
+
+
+def nonblank(expected: str) -> Check:
+    """Text that is not blank."""
+    return bound(lambda v: isinstance(v, str) and bool(v.strip()), expected)
 
 
 SEED_LIMIT = 2 ** 64  # torch.manual_seed's range; seeds derived from a run's seed are folded into it
-
-
-def seed_value(key: str, value) -> None:
-    if not is_int(value) or not 0 <= value < SEED_LIMIT:
-        raise bad(key, value, "an integer in [0, 2**64)")
+seed_value = bound(lambda v: is_int(v) and 0 <= v < SEED_LIMIT, "an integer in [0, 2**64)")
 
 
 def derived_seed(seed: int, scale: int, offset: int) -> int:

@@ -15,13 +15,14 @@ from tcal.settings.fields import (
     SettingError,
     Settings,
     bad,
+    bound,
     declared,
-    distinct_names,
+    distinct,
     is_number,
     learning_rate,
     non_negative,
     one_of,
-    optional_positive_int,
+    optional,
     positive_int,
     positive_number,
     setting,
@@ -41,27 +42,26 @@ PHASE1_RULES = ("decay", "write_gate", "value_scale", "output_gate")  # in the o
 class Phase1Settings(Settings):
     """Phase 1's closed-form rules: decay range, write-gate target, value-scale clip, output-gate damping."""
 
-    gamma_min: float = setting(1.0e-3, affects=[INIT])  # clip of the decay rate ln2 / d_h
+    gamma_min: float = setting(1.0e-3, affects=[INIT], check=positive_number)  # clip of the decay rate ln2 / d_h
     gamma_max: float = setting(5.0, affects=[INIT])
-    beta_low: float = setting(0.3, affects=[INIT])  # beta* = beta_low + beta_span * concentration
+    # beta* = beta_low + beta_span * concentration
+    beta_low: float = setting(0.3, affects=[INIT], check=bound(lambda v: is_number(v) and 1e-9 <= v < 1.0,
+                                                               "a write-gate target in (0, 1)"))
     beta_span: float = setting(0.4, affects=[INIT])
-    sigma_min: float = setting(0.1, affects=[INIT])  # clip of the OLS value scale
+    sigma_min: float = setting(0.1, affects=[INIT], check=positive_number)  # clip of the OLS value scale
     sigma_max: float = setting(10.0, affects=[INIT])
     # false: the reference code's hand loop (the paper's `full`); true keeps fla's 1/sqrt(dk)
     value_fit_query_scale: bool = setting(False, affects=[INIT])
-    gate_damping: float = setting(0.01, affects=[INIT])  # alpha = damping * RMS(ctx) / RMS(silu(Wv x))
+    # alpha = damping * RMS(ctx) / RMS(silu(Wv x))
+    gate_damping: float = setting(0.01, affects=[INIT], check=non_negative)
 
     def check(self) -> None:
         for low, high in (("gamma_min", "gamma_max"), ("sigma_min", "sigma_max")):
-            positive_number(low, getattr(self, low))
             if not is_number(getattr(self, high)) or getattr(self, high) < getattr(self, low):
                 raise SettingError(Key(high), f"={getattr(self, high)!r}; expected a number >= ", Key(low),
                                    f"={getattr(self, low)}")
-        if not is_number(self.beta_low) or not 1e-9 <= self.beta_low < 1.0:
-            raise bad("beta_low", self.beta_low, "a write-gate target in (0, 1)")
         if not is_number(self.beta_span) or not 0.0 < self.beta_low + self.beta_span < 1.0:
             raise bad("beta_span", self.beta_span, "beta_low + beta_span in (0, 1)")
-        non_negative("gate_damping", self.gate_damping)
 
 
 @declared
@@ -69,19 +69,12 @@ class Phase1Settings(Settings):
 class Phase2Settings(Settings):
     """Phase 2: per-layer alignment to the teacher's attention output on the calibration batch."""
 
-    steps: int = setting(300, affects=[INIT])
-    lr_projections: float = setting(1.0e-4, affects=[INIT])  # q, k, v
+    steps: int = setting(300, affects=[INIT], check=positive_int)
+    lr_projections: float = setting(1.0e-4, affects=[INIT], check=learning_rate)  # q, k, v
     # a, b, g projections, A_log, dt_bias (Wo and o_norm stay frozen)
-    lr_dynamics: float = setting(1.0e-3, affects=[INIT])
-    weight_decay: float = setting(0.01, affects=[INIT])
-    grad_clip: float = setting(1.0, affects=[INIT])
-
-    def check(self) -> None:
-        positive_int("steps", self.steps)
-        learning_rate("lr_projections", self.lr_projections)
-        learning_rate("lr_dynamics", self.lr_dynamics)
-        non_negative("weight_decay", self.weight_decay)
-        positive_number("grad_clip", self.grad_clip)
+    lr_dynamics: float = setting(1.0e-3, affects=[INIT], check=learning_rate)
+    weight_decay: float = setting(0.01, affects=[INIT], check=non_negative)
+    grad_clip: float = setting(1.0, affects=[INIT], check=positive_number)
 
 
 @declared
@@ -93,10 +86,12 @@ class CalibrationSettings(Settings):
 
     schema = "calibration/calibration"
 
-    batch_size: int = setting(4, affects=[INIT])  # calibration sequences, from the calibration split
+    # calibration sequences, from the calibration split
+    batch_size: int = setting(4, affects=[INIT], check=positive_int)
     # also the full_plus pool's window length (2,048 measured worse: docs/results.md)
-    seq_len: int = setting(256, affects=[INIT])
-    block_size: int = setting(256, affects=[INIT])  # query block of the streaming attention statistics
+    seq_len: int = setting(256, affects=[INIT], check=window_length)
+    # query block of the streaming attention statistics
+    block_size: int = setting(256, affects=[INIT], check=positive_int)
     # The held-out check measures each layer on unseen windows: no weight changes, and its tokens key the layer's
     # cache entry themselves (a layer's record holds its check only when it was made).
     # also report each layer's alignment loss on batch_size - 1 unseen calibration-split windows
@@ -104,25 +99,15 @@ class CalibrationSettings(Settings):
     cache: bool = setting(True, affects=NOTHING)  # keep each calibrated layer on disk under paths.cache_dir/calibration
     # Phase 2 (of phase2, full, full_plus): `batched` fits every layer in one stacked step; `sequential` one layer
     # after another, the reference the batched fit is tested against (the same fits up to float rounding)
-    fit: str = setting("batched", affects=[INIT])
+    fit: str = setting("batched", affects=[INIT], check=one_of(FITS))
     # layers per batched fit: all on a GPU, one on a CPU by default (where stacking measured slower); the same fits
     # up to float rounding
-    layers_per_fit: Optional[int] = setting(None, affects=[INIT])
+    layers_per_fit: Optional[int] = setting(None, affects=[INIT], check=optional(positive_int))
     phase1: Phase1Settings = setting(affects=[INIT], factory=Phase1Settings)
     phase2: Phase2Settings = setting(affects=[INIT], factory=Phase2Settings)
 
-    def check_fields(self) -> None:
-        positive_int("batch_size", self.batch_size)
-        positive_int("block_size", self.block_size)
-        one_of("fit", self.fit, FITS)
-        optional_positive_int("layers_per_fit", self.layers_per_fit)
-        window_length("seq_len", self.seq_len)
-
-    def __post_init__(self):  # `check` is a field here: the checks run under another name
-        try:
-            self.check_fields()
-        except SettingError as err:
-            raise err.owned_by(type(self).__name__) from None
+    def __post_init__(self):  # `check` is a field here: its fields' bounds alone are checked
+        self.checked()
 
 
 @declared
@@ -130,13 +115,9 @@ class CalibrationSettings(Settings):
 class InitSettings(Settings):
     """`naive` and `zero_gate`: the conversion, then (zero_gate) Wg = 0."""
 
-    name: str = setting("naive", affects=[INIT])
+    name: str = setting("naive", affects=[INIT], check=one_of(INIT_MODES.names))
     # or row_repeat (the reference code's mistake, for comparison)
-    gqa_expansion: str = setting("whole_head", affects=[INIT])
-
-    def check(self) -> None:
-        one_of("name", self.name, INIT_MODES.names())
-        one_of("gqa_expansion", self.gqa_expansion, GQA_EXPANSIONS)
+    gqa_expansion: str = setting("whole_head", affects=[INIT], check=one_of(GQA_EXPANSIONS))
 
     def calibrates(self) -> bool:
         """Whether the mode reads the calibration split (and so `calibration.seq_len` of the teacher)."""
@@ -161,11 +142,7 @@ class CalibratedInitSettings(InitSettings):
     """`full`, `phase1`, `phase2`: the Taylor-Calibrate phases named in `phases`."""
 
     name: str = setting("full", affects=[INIT])
-    phases: List[str] = setting(affects=[INIT], factory=lambda: ["phase1", "phase2"])
-
-    def check(self) -> None:
-        super().check()
-        distinct_names("phases", self.phases, PHASES, "")
+    phases: List[str] = setting(affects=[INIT], factory=lambda: ["phase1", "phase2"], check=distinct(PHASES))
 
     def calibrates(self) -> bool:
         return True
@@ -190,11 +167,7 @@ class GateInitSettings(InitSettings):
     """`small_gate`: Wg *= gate_scale."""
 
     name: str = setting("small_gate", affects=[INIT])
-    gate_scale: float = setting(0.02, affects=[INIT])
-
-    def check(self) -> None:
-        super().check()
-        positive_number("gate_scale", self.gate_scale)
+    gate_scale: float = setting(0.02, affects=[INIT], check=positive_number)
 
 
 @declared
@@ -204,14 +177,11 @@ class PoolSettings(Settings):
     `held_out_every`-th window held out; `layers_per_pass` layers share one teacher pass (memory only)."""
 
     # cut into windows of calibration.seq_len tokens: 64 x 256, or 8 x 2,048 (same budget)
-    tokens: int = setting(16384, affects=[INIT])
+    tokens: int = setting(16384, affects=[INIT], check=positive_int)
     # every 8th window is held out: it only chooses which Phase 2 state to keep
     held_out_every: int = setting(8, affects=[INIT])
-    layers_per_pass: Optional[int] = setting(None, affects=NOTHING)  # the same weights (tested), less memory
-
-    def check(self) -> None:
-        positive_int("tokens", self.tokens)
-        optional_positive_int("layers_per_pass", self.layers_per_pass)
+    # the same weights (tested), less memory
+    layers_per_pass: Optional[int] = setting(None, affects=NOTHING, check=optional(positive_int))
 
 
 @declared
@@ -220,25 +190,27 @@ class PoolPhase2Settings(Settings):
     """full_plus's Phase 2: minibatches of `batch_size` pool windows, the state kept by held-out loss checked
     every `select_every` steps."""
 
-    steps: int = setting(300, affects=[INIT])
-    batch_size: int = setting(4, affects=[INIT])  # windows per step, drawn from the pool's fit windows
-    select_every: int = setting(25, affects=[INIT])  # held-out loss checked every this many steps, and after the last
+    steps: int = setting(300, affects=[INIT], check=positive_int)
+    # windows per step, drawn from the pool's fit windows
+    batch_size: int = setting(4, affects=[INIT], check=positive_int)
+    # held-out loss checked every this many steps, and after the last
+    select_every: int = setting(25, affects=[INIT], check=positive_int)
     # q, k, v (3e-4 gave 1.21x the teacher PPL against 1.14x, docs/results.md)
-    lr_projections: float = setting(1.0e-3, affects=[INIT])
+    lr_projections: float = setting(1.0e-3, affects=[INIT], check=learning_rate)
     # a, b, g projections, A_log, dt_bias (Wo and o_norm stay frozen)
-    lr_dynamics: float = setting(3.0e-3, affects=[INIT])
-    schedule: str = setting("constant", affects=[INIT])  # or cosine: the learning rates decay to 0 over the steps
-    weight_decay: float = setting(0.01, affects=[INIT])
-    grad_clip: float = setting(1.0, affects=[INIT])
+    lr_dynamics: float = setting(3.0e-3, affects=[INIT], check=learning_rate)
+    # or cosine: the learning rates decay to 0 over the steps
+    schedule: str = setting("constant", affects=[INIT], check=one_of(SCHEDULES))
+    weight_decay: float = setting(0.01, affects=[INIT], check=non_negative)
+    grad_clip: float = setting(1.0, affects=[INIT], check=positive_number)
 
-    def check(self) -> None:
-        for key in ("steps", "batch_size", "select_every"):
-            positive_int(key, getattr(self, key))
-        learning_rate("lr_projections", self.lr_projections)
-        learning_rate("lr_dynamics", self.lr_dynamics)
-        one_of("schedule", self.schedule, SCHEDULES)
-        non_negative("weight_decay", self.weight_decay)
-        positive_number("grad_clip", self.grad_clip)
+
+def phase1_overrides(key: str, overrides: dict) -> None:
+    """Keys of `Phase1Settings`, each named `<key>.<its key>`."""
+    known = [f.name for f in dataclasses.fields(Phase1Settings)]
+    for name in overrides:
+        if name not in known:
+            raise bad(f"{key}.{name}", overrides[name], f"a key of calibration.phase1 ({', '.join(known)})")
 
 
 @declared
@@ -249,20 +221,13 @@ class FullPlusSettings(InitSettings):
 
     name: str = setting("full_plus", affects=[INIT])
     # all four: dropping the other three costs 3% PPL (docs/results.md)
-    phase1_rules: List[str] = setting(affects=[INIT], factory=lambda: list(PHASE1_RULES))
+    phase1_rules: List[str] = setting(affects=[INIT], factory=lambda: list(PHASE1_RULES), check=distinct(PHASE1_RULES))
     # overrides of calibration.phase1 (conf/calibration/default.yaml) for those rules
-    phase1: Dict[str, Any] = setting(affects=[INIT], factory=lambda: {"sigma_min": 0.1, "sigma_max": 0.1})
+    phase1: Dict[str, Any] = setting(affects=[INIT], factory=lambda: {"sigma_min": 0.1, "sigma_max": 0.1},
+                                     check=phase1_overrides)
     # calibration-split windows only; the evaluation split is never read
     pool: PoolSettings = setting(affects=[INIT], factory=PoolSettings)
     phase2: PoolPhase2Settings = setting(affects=[INIT], factory=PoolPhase2Settings)
-
-    def check(self) -> None:
-        super().check()
-        distinct_names("phase1_rules", self.phase1_rules, PHASE1_RULES, "")
-        known = [f.name for f in dataclasses.fields(Phase1Settings)]
-        for key in self.phase1:
-            if key not in known:
-                raise bad(f"phase1.{key}", self.phase1[key], f"a key of calibration.phase1 ({', '.join(known)})")
 
     def calibrates(self) -> bool:
         return True

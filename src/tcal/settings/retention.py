@@ -14,11 +14,12 @@ from tcal.settings.fields import (
     Key,
     SettingError,
     Settings,
+    at_least,
     bad,
     declared,
-    is_int,
     is_number,
     one_of,
+    optional,
     positive_int,
     setting,
     window_length,
@@ -29,6 +30,8 @@ FILLS = ("text", "uniform")  # how recall places the kept layers its score does 
 # recall's search on the converted student after the rule (docs/method.md, "Retained-layer policies": the search)
 SEARCHES = ("none", "greedy")
 MIN_PROBE_LEN = 128  # a retrieval sequence holds needles, a question and an answer besides its text
+probe_length = at_least(MIN_PROBE_LEN, f"an integer >= {MIN_PROBE_LEN} (a probe sequence holds needles, a question "
+                        f"and an answer besides its text)", integer=True)
 
 
 def num_kept(ratio: float, num_layers: int) -> int:
@@ -60,9 +63,19 @@ def validate_keep_layers(keep_layers, num_layers: int) -> list[int]:
     return sorted(keep)
 
 
-def check_ratio(ratio) -> None:
+def keep_ratio(key: str, ratio) -> None:
     if not is_number(ratio) or not 0.0 < ratio <= 1.0:
-        raise SettingError(Key("ratio"), f"={ratio} must lie in (0, 1]")
+        raise SettingError(Key(key), f"={ratio} must lie in (0, 1]")
+
+
+def layer_indices(key: str, keep) -> None:
+    """A list of whole numbers >= 0 (whether each is a layer of the teacher is `check_keep`'s)."""
+    if keep is None or isinstance(keep, str):
+        raise SettingError(Key(key), "=None; expected a list of layer indices, e.g. ", Key(key), "=[0,2]")
+    negative = [i for i in keep if i < 0]
+    if negative:
+        raise SettingError(Key(key), f"={list(keep)} holds {negative}, not layer indices; expected whole numbers >= 0, "
+                           f"e.g. ", Key(key), "=[0,2]")
 
 
 class PolicySettings(Settings):
@@ -106,12 +119,8 @@ class PolicySettings(Settings):
 class RetentionSettings(PolicySettings):
     """`uniform`: round(ratio * L) layers kept, evenly spaced."""
 
-    name: str = setting("uniform", affects=[SCORES, KEEP])
-    ratio: float = setting(0.5, affects=[KEEP])
-
-    def check(self) -> None:
-        one_of("name", self.name, POLICIES.names())
-        check_ratio(self.ratio)
+    name: str = setting("uniform", affects=[SCORES, KEEP], check=one_of(POLICIES.names))
+    ratio: float = setting(0.5, affects=[KEEP], check=keep_ratio)
 
     def kept(self, num_layers: int) -> int:
         return num_kept(self.ratio, num_layers)
@@ -129,17 +138,12 @@ class ScoredRetentionSettings(RetentionSettings):
     """`ar` and `ga_s2`: layers scored on windows of the calibration split (scores cached unless cache=false)."""
 
     name: str = setting("ar", affects=[SCORES, KEEP])
-    seq_len: int = setting(256, affects=[SCORES])  # scoring windows from the calibration split
-    num_windows: int = setting(8, affects=[SCORES])
-    batch_size: int = setting(4, affects=[SCORES])
+    # scoring windows from the calibration split
+    seq_len: int = setting(256, affects=[SCORES], check=window_length)
+    num_windows: int = setting(8, affects=[SCORES], check=positive_int)
+    batch_size: int = setting(4, affects=[SCORES], check=positive_int)
     # reuse scores computed with the same key (false: score again, write nothing)
     cache: bool = setting(True, affects=NOTHING)
-
-    def check(self) -> None:
-        super().check()
-        positive_int("num_windows", self.num_windows)
-        positive_int("batch_size", self.batch_size)
-        window_length("seq_len", self.seq_len)
 
     def planned_keep(self, num_layers: int) -> None:
         return None
@@ -174,48 +178,31 @@ class RecallRetentionSettings(RetentionSettings):
     name: str = setting("recall", affects=[SCORES, KEEP])
     # tokens per probe sequence: as long as the shortest RULER length measured (512) and more, so that layers whose
     # retrieval shows only past a few hundred tokens are seen (docs/results.md, "What the probe sees")
-    seq_len: int = setting(1024, affects=[SCORES])
+    seq_len: int = setting(1024, affects=[SCORES], check=probe_length)
     # probe sequences (the probe reads num_prompts x seq_len tokens per layer, plus one base pass)
-    num_prompts: int = setting(8, affects=[SCORES])
-    batch_size: int = setting(4, affects=[SCORES])
+    num_prompts: int = setting(8, affects=[SCORES], check=positive_int)
+    batch_size: int = setting(4, affects=[SCORES], check=positive_int)
     # draws the sequences: text slices, keys, values, wording, needle depths
-    probe_seed: int = setting(0, affects=[SCORES])
+    probe_seed: int = setting(0, affects=[SCORES], check=at_least(0, integer=True))
     # bypass: the layer's attention outputs 0; gdn: it is replaced by its initialized GDN (init=...)
-    probe: str = setting("bypass", affects=[SCORES])
+    probe: str = setting("bypass", affects=[SCORES], check=one_of(PROBES))
     # how many of the kept layers the recall score chooses (null: those above the probe's noise, the rule)
-    scored: Optional[int] = setting(None, affects=[KEEP])
+    scored: Optional[int] = setting(None, affects=[KEEP], check=optional(at_least(
+        0, "null (the layers above the probe's noise) or an integer >= 0", integer=True)))
     # the rule's margin: a layer is chosen when score - noise_z * (its standard error over the sequences) > 0
-    noise_z: float = setting(3.0, affects=[KEEP])
+    noise_z: float = setting(3.0, affects=[KEEP], check=at_least(0, "a number >= 0 (standard errors above 0)"))
     # the rest: text (highest text-loss rise, as AR would keep) or uniform (the uniform policy's slots)
-    fill: str = setting("text", affects=[KEEP])
+    fill: str = setting("text", affects=[KEEP], check=one_of(FILLS))
     # greedy: then swap fill layers for converted layers by the answer loss of the student itself (run's init)
-    search: str = setting("none", affects=[KEEP])
+    search: str = setting("none", affects=[KEEP], check=one_of(SEARCHES))
     # the search's student forwards over the probe's sequences at most, the start's included
-    search_budget: int = setting(32, affects=[KEEP])
+    search_budget: int = setting(32, affects=[KEEP], check=positive_int)
     # how far the search's swaps may raise the student's text loss over the start's, in nats a token (ln 1.03)
-    text_margin: float = setting(0.0296, affects=[KEEP])
+    text_margin: float = setting(0.0296, affects=[KEEP], check=at_least(0, "a number >= 0 (nats a text token)"))
     # reuse scores computed with the same key (false: score again, write nothing)
     cache: bool = setting(True, affects=NOTHING)
 
     def check(self) -> None:
-        super().check()
-        positive_int("num_prompts", self.num_prompts)
-        positive_int("batch_size", self.batch_size)
-        if not is_int(self.seq_len) or self.seq_len < MIN_PROBE_LEN:
-            raise bad("seq_len", self.seq_len, f"an integer >= {MIN_PROBE_LEN} (a probe sequence holds needles, a "
-                                               f"question and an answer besides its text)")
-        if not is_int(self.probe_seed) or self.probe_seed < 0:
-            raise bad("probe_seed", self.probe_seed, "an integer >= 0")
-        one_of("probe", self.probe, PROBES)
-        one_of("fill", self.fill, FILLS)
-        one_of("search", self.search, SEARCHES)
-        positive_int("search_budget", self.search_budget)
-        if not is_number(self.text_margin) or self.text_margin < 0:
-            raise bad("text_margin", self.text_margin, "a number >= 0 (nats a text token)")
-        if self.scored is not None and (not is_int(self.scored) or self.scored < 0):
-            raise bad("scored", self.scored, "null (the layers above the probe's noise) or an integer >= 0")
-        if not is_number(self.noise_z) or self.noise_z < 0:
-            raise bad("noise_z", self.noise_z, "a number >= 0 (standard errors above 0)")
         if self.scored is None and self.num_prompts < 2:
             raise bad("num_prompts", self.num_prompts, "at least 2 with scored=null (the rule reads the spread over "
                                                        "the probe's sequences)")
@@ -244,17 +231,8 @@ class RecallRetentionSettings(RetentionSettings):
 class ExplicitRetentionSettings(PolicySettings):
     """`explicit`: exactly the layers in `keep`."""
 
-    name: str = setting("explicit", affects=[SCORES, KEEP])
-    keep: List[int] = setting(REQUIRED, affects=[KEEP])
-
-    def check(self) -> None:
-        one_of("name", self.name, ["explicit"])
-        if self.keep is None or isinstance(self.keep, str):
-            raise SettingError(Key("keep"), "=None; expected a list of layer indices, e.g. ", Key("keep"), "=[0,2]")
-        negative = [i for i in self.keep if i < 0]
-        if negative:
-            raise SettingError(Key("keep"), f"={list(self.keep)} holds {negative}, not layer indices; expected whole "
-                               f"numbers >= 0, e.g. ", Key("keep"), "=[0,2]")
+    name: str = setting("explicit", affects=[SCORES, KEEP], check=one_of(["explicit"]))
+    keep: List[int] = setting(REQUIRED, affects=[KEEP], check=layer_indices)
 
     def kept(self, num_layers: int) -> int:
         return len(set(self.keep))

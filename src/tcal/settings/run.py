@@ -30,6 +30,12 @@ from tcal.settings.trainer import LoggerSettings, PathsSettings, TrainerSettings
 GROUPS = ("teacher", "data", "retention", "init", "calibration", "stage", "eval", "trainer", "logger", "paths")
 
 
+def folder_name(key: str, name) -> None:
+    if not isinstance(name, str) or not name.strip() or set("/\\") & set(name) or name in (".", ".."):
+        raise SettingError(Key(key), f"={name!r}; expected a name for the run's folder under paths.output_dir (no path "
+                           f"separators)")
+
+
 @declared
 @dataclass
 class RunSettings(Settings):
@@ -46,17 +52,13 @@ class RunSettings(Settings):
     trainer: TrainerSettings = setting(affects=EVERYTHING, factory=TrainerSettings)
     logger: LoggerSettings = setting(affects=NOTHING, factory=LoggerSettings)
     paths: PathsSettings = setting(affects=NOTHING, factory=PathsSettings)
-    seed: int = setting(0, affects=[INIT, TRAIN])  # the naive GDN layers' new weights, data order
+    # the naive GDN layers' new weights, data order
+    seed: int = setting(0, affects=[INIT, TRAIN], check=seed_value)
     save_student: bool = setting(True, affects=NOTHING)
-    task_name: str = setting("convert", affects=NOTHING)
+    task_name: str = setting("convert", affects=NOTHING, check=folder_name)
     resume: Optional[str] = setting(None, affects=NOTHING)
 
     def check(self) -> None:
-        seed_value("seed", self.seed)
-        if not isinstance(self.task_name, str) or not self.task_name.strip() or set("/\\") & set(self.task_name) \
-                or self.task_name in (".", ".."):
-            raise SettingError(Key("task_name"), f"={self.task_name!r}; expected a name for the run's folder under "
-                               f"paths.output_dir (no path separators)")
         self.init.check_with(self.calibration)
         if self.data.retrieval_mix > 0:
             for key, stage in self.stage.stages():
@@ -68,7 +70,7 @@ class RunSettings(Settings):
 
     def __post_init__(self):
         try:
-            self.check()
+            super().__post_init__()
         except SettingError as err:
             raise (err if err.place is not None else err.placed("")) from None
 

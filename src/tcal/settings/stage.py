@@ -15,12 +15,14 @@ from tcal.settings.fields import (
     Key,
     SettingError,
     Settings,
+    between,
     declared,
-    fraction,
+    distinct,
     is_number,
     learning_rate,
     non_negative,
     one_of,
+    optional,
     positive_int,
     positive_number,
     setting,
@@ -57,21 +59,28 @@ class StageSteps:
     eval_every: int
 
 
+def adam_betas(key: str, betas) -> None:
+    if len(betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in betas):
+        raise SettingError(Key(key), f"={list(betas)}; expected two numbers in [0, 1)")
+
+
 @declared
 @dataclass
 class TrainingStageSettings(StageSettings):
     """What both training stages share: a token budget, batches of `batch_size` x `seq_len` per rank, AdamW."""
 
-    kind: str = setting(REQUIRED, affects=[TRAIN])
-    max_tokens: int = setting(100000, affects=[TRAIN])  # budget in tokens (summed over all ranks)
-    eval_every_tokens: int = setting(10000, affects=[TRAIN])  # where the curve's points are
-    batch_size: int = setting(4, affects=[TRAIN])  # sequences per step and rank
-    seq_len: int = setting(512, affects=[TRAIN])
-    schedule: str = setting("constant", affects=[TRAIN])  # constant | cosine
-    min_lr_ratio: float = setting(0.0, affects=[TRAIN])
-    betas: List[float] = setting(affects=[TRAIN], factory=lambda: [0.9, 0.95])
-    weight_decay: float = setting(0.0, affects=[TRAIN])
-    grad_clip: float = setting(1.0, affects=[TRAIN])
+    kind: str = setting(REQUIRED, affects=[TRAIN], check=one_of(STAGE_KINDS.names))
+    # budget in tokens (summed over all ranks)
+    max_tokens: int = setting(100000, affects=[TRAIN], check=positive_int)
+    eval_every_tokens: int = setting(10000, affects=[TRAIN], check=positive_int)  # where the curve's points are
+    batch_size: int = setting(4, affects=[TRAIN], check=positive_int)  # sequences per step and rank
+    seq_len: int = setting(512, affects=[TRAIN], check=window_length)
+    schedule: str = setting("constant", affects=[TRAIN], check=one_of(SCHEDULES))  # constant | cosine
+    min_lr_ratio: float = setting(0.0, affects=[TRAIN], check=between(0.0, 1.0, (
+        "a number in [0, 1] (the floor of the cosine schedule, as a fraction of the learning rate)")))
+    betas: List[float] = setting(affects=[TRAIN], factory=lambda: [0.9, 0.95], check=adam_betas)
+    weight_decay: float = setting(0.0, affects=[TRAIN], check=non_negative)
+    grad_clip: float = setting(1.0, affects=[TRAIN], check=positive_number)
     # torch's fused AdamW kernel (CPU and CUDA): about 10x faster optimizer steps on CPU
     fused_optimizer: bool = setting(True, affects=[TRAIN])
     # recompute each GDN mixer in backward: ~170 MB less per layer at 4 x 512
@@ -81,20 +90,9 @@ class TrainingStageSettings(StageSettings):
     cache_tokens: bool = setting(True, affects=NOTHING)  # keep the tokenized training stream under the cache folder
 
     def check(self) -> None:
-        one_of("kind", self.kind, STAGE_KINDS.names())
-        for key in ("max_tokens", "eval_every_tokens", "batch_size"):
-            positive_int(key, getattr(self, key))
-        window_length("seq_len", self.seq_len)
         if self.eval_every_tokens > self.max_tokens:
             raise SettingError(Key("eval_every_tokens"), f"={self.eval_every_tokens} is larger than ",
                                Key("max_tokens"), f"={self.max_tokens}")
-        one_of("schedule", self.schedule, SCHEDULES)
-        fraction("min_lr_ratio", self.min_lr_ratio, "a number in [0, 1] (the floor of the cosine schedule, as a "
-                                                    "fraction of the learning rate)")
-        non_negative("weight_decay", self.weight_decay)
-        if len(self.betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in self.betas):
-            raise SettingError(Key("betas"), f"={list(self.betas)}; expected two numbers in [0, 1)")
-        positive_number("grad_clip", self.grad_clip)
 
     def stages(self) -> list[tuple[str, TrainingStageSettings]]:
         return [("stage", self)]
@@ -137,14 +135,10 @@ class AlignSettings(TrainingStageSettings):
     kind: str = setting("align", affects=[TRAIN])
     # perplexity curve and checkpoint interval; also at token 0 and at the end
     eval_every_tokens: int = setting(20000, affects=[TRAIN])
-    lr: float = setting(1.0e-3, affects=[TRAIN])
+    lr: float = setting(1.0e-3, affects=[TRAIN], check=learning_rate)
     schedule: str = setting("cosine", affects=[TRAIN])  # constant | cosine (to min_lr_ratio * lr at max_tokens)
     weight_decay: float = setting(0.01, affects=[TRAIN])
     cache: bool = setting(True, affects=NOTHING)  # keep the result in the Stage 1 cache
-
-    def check(self) -> None:
-        super().check()
-        learning_rate("lr", self.lr)
 
     def checkpointing(self) -> str:
         """activation_checkpointing does not apply: the student's decoder does not run."""
@@ -160,25 +154,16 @@ class DistillSettings(TrainingStageSettings):
 
     name: str = setting("distill", affects=[TRAIN])
     kind: str = setting("distill", affects=[TRAIN])
-    lr_mixer: float = setting(1.0e-4, affects=[TRAIN])  # the GDN mixers
+    lr_mixer: float = setting(1.0e-4, affects=[TRAIN], check=learning_rate)  # the GDN mixers
     # every other student parameter (embeddings, MLPs, norms, kept attention, head)
-    lr_rest: float = setting(7.0e-6, affects=[TRAIN])
+    lr_rest: float = setting(7.0e-6, affects=[TRAIN], check=learning_rate)
     # recompute each GDN mixer in backward: ~170 MB less per layer at 4 x 512
     checkpoint_mixers: bool = setting(True, affects=[TRAIN])
     # tokens per chunk of the KL: memory grows with this, not with the batch
-    kl_chunk_size: int = setting(256, affects=[TRAIN])
-    ce_weight: float = setting(0.0, affects=[TRAIN])  # + ce_weight * next-token cross-entropy
+    kl_chunk_size: int = setting(256, affects=[TRAIN], check=positive_int)
+    ce_weight: float = setting(0.0, affects=[TRAIN], check=non_negative)  # + ce_weight * next-token cross-entropy
     # e.g. bfloat16: the frozen teacher runs in that dtype during this stage
-    teacher_dtype: Optional[str] = setting(None, affects=[TRAIN])
-
-    def check(self) -> None:
-        super().check()
-        learning_rate("lr_mixer", self.lr_mixer)
-        learning_rate("lr_rest", self.lr_rest)
-        positive_int("kl_chunk_size", self.kl_chunk_size)
-        non_negative("ce_weight", self.ce_weight)
-        if self.teacher_dtype is not None:
-            one_of("teacher_dtype", self.teacher_dtype, sorted(DTYPES))
+    teacher_dtype: Optional[str] = setting(None, affects=[TRAIN], check=optional(one_of(sorted(DTYPES))))
 
     def stage_teacher_dtype(self, teacher_dtype: str) -> str:
         return self.teacher_dtype or teacher_dtype
@@ -196,15 +181,10 @@ class StageSequenceSettings(StageSettings):
     schema = "stage/sequence"
 
     name: str = setting("align_distill", affects=[TRAIN])
-    sequence: List[str] = setting(affects=[TRAIN], factory=lambda: ["align", "distill"])
+    sequence: List[str] = setting(affects=[TRAIN], factory=lambda: ["align", "distill"],
+                                  check=distinct(STAGE_KINDS.names))
     align: AlignSettings = setting(affects=[TRAIN], factory=AlignSettings)
     distill: DistillSettings = setting(affects=[TRAIN], factory=DistillSettings)
-
-    def check(self) -> None:
-        kinds = list(self.sequence)
-        if not kinds or any(k not in STAGE_KINDS for k in kinds) or len(set(kinds)) != len(kinds):
-            raise SettingError(Key("sequence"), f"={kinds}; expected a non-empty list without repeats of "
-                               f"{', '.join(STAGE_KINDS.names())}")
 
     def stages(self) -> list[tuple[str, TrainingStageSettings]]:
         return [(f"stage.{kind}", getattr(self, kind)) for kind in self.sequence]

@@ -13,8 +13,11 @@ from tcal.settings.fields import (
     SettingError,
     Settings,
     bad,
+    bound,
     declared,
+    is_int,
     one_of,
+    optional,
     seed_value,
     setting,
 )
@@ -23,6 +26,20 @@ DTYPES = ("float32", "bfloat16", "float16")
 # transformers' attention implementations (a hub kernel, `org/name`, is one too)
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def attention(key: str, value) -> None:
+    if value not in ATTENTION and "/" not in str(value):
+        raise bad(key, value, f"one of {', '.join(ATTENTION)}, or a hub kernel (org/name)")
+
+
+def architecture(key: str, value) -> None:
+    """The keys of a config.json, with the sizes `tcal-plan` reads."""
+    if not isinstance(value, dict):
+        raise bad(key, value, "the keys of the teacher's config.json")
+    for size in SIZES:
+        if not is_int(value.get(size)) or value.get(size) <= 0:
+            raise bad(f"{key}.{size}", value.get(size), "a positive integer")
 
 
 @declared
@@ -56,15 +73,17 @@ class TeacherSettings(Settings):
     path: Optional[str] = setting(None, affects=EVERYTHING)  # a local HF folder overrides the random config
     package: Optional[str] = setting(None, affects=EVERYTHING)
     gguf_file: Optional[str] = setting(None, affects=EVERYTHING)
-    dtype: str = setting("float32", affects=EVERYTHING)
-    attn_implementation: str = setting("sdpa", affects=EVERYTHING)
+    dtype: str = setting("float32", affects=EVERYTHING, check=one_of(sorted(DTYPES)))
+    attn_implementation: str = setting("sdpa", affects=EVERYTHING, check=attention)
     trust_remote_code: bool = setting(False, affects=EVERYTHING)
-    seed: int = setting(0, affects=EVERYTHING)
+    seed: int = setting(0, affects=EVERYTHING, check=seed_value)
     # Mappings that may be None are typed Any: OmegaConf cannot merge an override's mapping into an Optional[Dict]
     # (or an Optional dataclass) that is None.
     tokenizer: Any = setting(None, affects=EVERYTHING)  # TokenizerSettings (a mapping of its keys becomes one)
-    config: Any = setting(None, affects=EVERYTHING)  # a config.json's keys
-    architecture: Any = setting(None, affects=NOTHING)  # read only to plan and check without the weights
+    config: Any = setting(None, affects=EVERYTHING, check=optional(bound(  # a config.json's keys
+        lambda v: isinstance(v, dict), "the keys of a config.json")))
+    # read only to plan and check without the weights
+    architecture: Any = setting(None, affects=NOTHING, check=optional(architecture))
 
     def __post_init__(self):
         if isinstance(self.tokenizer, dict):
@@ -76,27 +95,13 @@ class TeacherSettings(Settings):
         super().__post_init__()
 
     def check(self) -> None:
-        one_of("dtype", self.dtype, sorted(DTYPES))
-        if self.attn_implementation not in ATTENTION and "/" not in str(self.attn_implementation):
-            raise bad("attn_implementation", self.attn_implementation, f"one of {', '.join(ATTENTION)}, or a hub "
-                                                                       f"kernel (org/name)")
         if not (self.path or self.gguf_file or self.config):
             raise SettingError(f"teacher {self.name!r} names no weights; expected one of ", Key("path"),
                                " (a local model folder or hub id), ", Key("gguf_file"), ", ", Key("config"))
-        if self.config is not None and not isinstance(self.config, dict):
-            raise bad("config", self.config, "the keys of a config.json")
-        seed_value("seed", self.seed)
         if self.config is not None and not self.path and not self.gguf_file and self.tokenizer is None:
             raise SettingError(Key("tokenizer"), f"=None; teacher {self.name!r} is random weights of ", Key("config"),
                                " and names no tokenizer; expected ", Key("tokenizer"), " (a folder, hub id or packaged "
                                "GGUF: see conf/teacher/tiny_llama.yaml) or ", Key("path"))
-        if self.architecture is not None:
-            if not isinstance(self.architecture, dict):
-                raise bad("architecture", self.architecture, "the keys of the teacher's config.json")
-            for key in SIZES:
-                value = self.architecture.get(key)
-                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                    raise bad(f"architecture.{key}", value, "a positive integer")
 
     def shape(self) -> dict:
         """The config.json keys known without loading anything (`architecture`, else `config`)."""

@@ -16,6 +16,7 @@ from tcal.settings.fields import (
     SettingError,
     Settings,
     bad,
+    bound,
     declared,
     is_int,
     one_of,
@@ -28,6 +29,32 @@ PRECISIONS = ("16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true", "64-t
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 LOGGERS = ("none", "csv", "wandb")
 GDN_KERNELS = ("auto", "fla", "torch")  # tcal.student.stack: which is right on a machine's GPU stack
+STRATEGIES = ("auto", "ddp", "fsdp")  # what tcal runs and resumes (docs/scale.md)
+
+
+def device_list(key: str, devices) -> None:
+    """What Lightning takes for `devices`: a count >= 1, -1 or "auto" (all), or a non-empty list of device ids."""
+    if isinstance(devices, str) and devices.strip() in ("auto", "-1"):
+        return
+    if isinstance(devices, str):
+        parts = [p.strip() for p in devices.split(",") if p.strip()]
+        ids = [int(p) for p in parts if p.isdigit()]
+        ok = len(ids) == len(parts) > 0 and (len(ids) > 1 or devices.strip().endswith(",") or ids[0] >= 1)
+    elif isinstance(devices, (list, tuple)):
+        ids = list(devices)
+        ok = bool(ids) and all(is_int(i) and i >= 0 for i in ids) and len(set(ids)) == len(ids)
+    else:
+        ok = is_int(devices) and (devices >= 1 or devices == -1)
+    if not ok:
+        raise bad(key, devices, "a number of devices >= 1, -1 or auto (every device), or a non-empty list of device "
+                                "ids such as [0,1]")
+
+
+def strategy_name(key: str, value) -> None:
+    if str(value).startswith("deepspeed"):
+        raise SettingError(Key(key), f"={value!r}: DeepSpeed is not supported (its resume and export were never "
+                           f"tested; docs/scale.md); expected trainer=fsdp for sharded training")
+    one_of(STRATEGIES, as_text=True)(key, value)
 
 
 @declared
@@ -37,31 +64,24 @@ class TrainerSettings(Settings):
 
     schema = "trainer/trainer"
 
-    accelerator: str = setting("cpu", affects=[SCORES, INIT, TRAIN, *EVALUATION])
-    devices: Any = setting(1, affects=[TRAIN, *EVALUATION])  # a count, a list of device ids, -1 or "auto"
-    num_nodes: int = setting(1, affects=[TRAIN, *EVALUATION])
+    accelerator: str = setting("cpu", affects=[SCORES, INIT, TRAIN, *EVALUATION],
+                               check=one_of(ACCELERATORS, as_text=True))
+    # a count, a list of device ids, -1 or "auto"
+    devices: Any = setting(1, affects=[TRAIN, *EVALUATION], check=device_list)
+    num_nodes: int = setting(1, affects=[TRAIN, *EVALUATION], check=positive_int)
     # auto (one device) | ddp | fsdp (FSDP2, tcal.training.run.ShardedStrategy)
-    strategy: str = setting("auto", affects=[TRAIN])
-    precision: str = setting("32-true", affects=[TRAIN, *EVALUATION])
+    strategy: str = setting("auto", affects=[TRAIN], check=strategy_name)
+    precision: str = setting("32-true", affects=[TRAIN, *EVALUATION], check=one_of(PRECISIONS, as_text=True))
     deterministic: bool = setting(False, affects=[TRAIN])
     # the GDN delta rule's multi-token kernel on CUDA: auto (fla where the stack is safe for it, else refused before
     # any work), fla, or torch (tcal's chunk path: correct everywhere, slower); docs/gpu.md, "The stack check"
-    gdn_kernel: str = setting("auto", affects=[SCORES, INIT, TRAIN, *EVALUATION])
+    gdn_kernel: str = setting("auto", affects=[SCORES, INIT, TRAIN, *EVALUATION],
+                              check=one_of(GDN_KERNELS, as_text=True))
 
     def check(self) -> None:
-        one_of("accelerator", str(self.accelerator), ACCELERATORS)
-        one_of("precision", str(self.precision), PRECISIONS)
-        one_of("gdn_kernel", str(self.gdn_kernel), GDN_KERNELS)
-        if str(self.strategy).startswith("deepspeed"):
-            raise SettingError(Key("strategy"), f"={self.strategy!r}: DeepSpeed is not supported (its resume and "
-                               f"export were never tested; docs/scale.md); expected trainer=fsdp for sharded training")
-
-        one_of("strategy", str(self.strategy), ("auto", "ddp", "fsdp"))  # what tcal runs and resumes (docs/scale.md)
-        check_devices(self.devices)
         if self.accelerator == "cpu" and not (is_int(self.devices) and self.devices >= 1):
             raise bad("devices", self.devices, "a number of CPU processes >= 1 with trainer.accelerator=cpu (a list "
                                                "of device ids, -1 and auto name GPUs)")
-        positive_int("num_nodes", self.num_nodes)
         if self.accelerator == "cpu" and (str(self.precision) in ("16-mixed", "16")
                                           or str(self.precision).startswith("transformer-engine")):
             raise SettingError(Key("precision"), f"={self.precision!r} is not supported on the CPU; expected "
@@ -77,24 +97,6 @@ class TrainerSettings(Settings):
         return str(self.precision).endswith("-mixed")
 
 
-def check_devices(devices) -> None:
-    """What Lightning takes for `devices`: a count >= 1, -1 or "auto" (all), or a non-empty list of device ids."""
-    if isinstance(devices, str) and devices.strip() in ("auto", "-1"):
-        return
-    if isinstance(devices, str):
-        parts = [p.strip() for p in devices.split(",") if p.strip()]
-        ids = [int(p) for p in parts if p.isdigit()]
-        ok = len(ids) == len(parts) > 0 and (len(ids) > 1 or devices.strip().endswith(",") or ids[0] >= 1)
-    elif isinstance(devices, (list, tuple)):
-        ids = list(devices)
-        ok = bool(ids) and all(is_int(i) and i >= 0 for i in ids) and len(set(ids)) == len(ids)
-    else:
-        ok = is_int(devices) and (devices >= 1 or devices == -1)
-    if not ok:
-        raise bad("devices", devices, "a number of devices >= 1, -1 or auto (every device), or a non-empty list of "
-                                      "device ids such as [0,1]")
-
-
 @declared
 @dataclass
 class LoggerSettings(Settings):
@@ -103,12 +105,12 @@ class LoggerSettings(Settings):
 
     schema = "logger/logger"
 
-    name: str = setting("csv", affects=NOTHING)
+    name: str = setting("csv", affects=NOTHING, check=one_of(LOGGERS))
     project: Optional[str] = setting(None, affects=NOTHING)
     group: Optional[str] = setting(None, affects=NOTHING)
 
-    def check(self) -> None:
-        one_of("name", self.name, LOGGERS)
+
+folder = bound(lambda v: bool(str(v).strip()), "a folder (an empty path would be the working folder itself)")
 
 
 @declared
@@ -118,10 +120,5 @@ class PathsSettings(Settings):
 
     schema = "paths/paths"
 
-    output_dir: str = setting("outputs", affects=NOTHING)
-    cache_dir: str = setting(".cache/tcal", affects=NOTHING)
-
-    def check(self) -> None:
-        for key in ("output_dir", "cache_dir"):
-            if not str(getattr(self, key)).strip():
-                raise bad(key, getattr(self, key), "a folder (an empty path would be the working folder itself)")
+    output_dir: str = setting("outputs", affects=NOTHING, check=folder)
+    cache_dir: str = setting(".cache/tcal", affects=NOTHING, check=folder)
