@@ -292,3 +292,27 @@ def test_a_dest_that_cannot_be_written_is_one_line_before_any_work(students, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"tcal-export: cannot write {tmp_path / 'full'}: No space left on device (ENOSPC)")
     assert not (tmp_path / "full").exists()
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--tolerance", "nan"], "argument --tolerance: 'nan'"),
+    (["--tolerance", "-0.5"], "argument --tolerance: '-0.5'"),
+    (["--tolerance", "inf"], "argument --tolerance: 'inf'"),
+    (["--serve-python", "/no/such/python"], "--serve-python /no/such/python: not an executable file"),
+], ids=["nan", "negative", "inf", "serve_python_missing"])
+def test_arguments_that_cannot_mean_anything_are_one_line_before_any_work(flags, named, students, tmp_path, capsys,
+                                                                          monkeypatch):
+    """A tolerance that is NaN, negative or infinite (once: the whole export ran, then "does not reproduce the
+    student"), or a --serve-python that is not there: one line, exit code 2, the student never loaded."""
+    from tcal.export import write
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the student was loaded")
+
+    monkeypatch.setattr(write, "load_student", loaded)
+    _, folder = students["llama"]
+    with pytest.raises(SystemExit) as exited:
+        export_main([str(folder), str(tmp_path / "out"), "--format", "vllm", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and named in err[-1] and "Traceback" not in "\n".join(err), err
+    assert not (tmp_path / "out").exists()
