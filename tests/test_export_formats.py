@@ -316,3 +316,45 @@ def test_arguments_that_cannot_mean_anything_are_one_line_before_any_work(flags,
     err = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and named in err[-1] and "Traceback" not in "\n".join(err), err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["earlier_export", "not_made_yet"])
+def test_a_dest_spelled_through_a_symlink_is_exported_through_it(target, students, tmp_path, capsys):
+    """DEST a symbolic link to an earlier export (once: the whole export ran, then the replace failed and left an
+    empty `.old` beside it), or to a folder not made yet: the export replaces the folder the link points at, the
+    link stays, and nothing else is left beside them."""
+    _, folder = students["llama"]
+    real = tmp_path / "exports" / "v1"
+    if target == "earlier_export":
+        export(folder, real, "tcal")
+    else:
+        real.parent.mkdir()
+    (tmp_path / "current").symlink_to(Path("exports") / "v1")
+    assert export_main([str(folder), str(tmp_path / "current"), "--format", "hf"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "current").is_symlink() and (tmp_path / "current").resolve() == real.resolve()
+    assert json.loads((real / EXPORT_RECORD).read_text())["format"] == "hf"
+    assert (real / REMOTE_CODE.name).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "exports"]
+    assert sorted(p.name for p in real.parent.iterdir()) == ["v1"]
+
+
+def test_a_replace_the_filesystem_refuses_leaves_the_earlier_export_and_no_old_folder(students, tmp_path,
+                                                                                       monkeypatch):
+    """The first rename of a replace (the earlier export moved aside) refused: the earlier export is whole where it
+    was and no empty `.old` folder is left beside it."""
+    from tcal.store import files
+
+    _, folder = students["llama"]
+    export(folder, tmp_path / "hf", "tcal")
+    before = snapshot(tmp_path / "hf")
+    real_replace = files.os.replace
+
+    def refuse_moving_aside(source, target):
+        if str(target).endswith(".old"):
+            raise OSError(16, "Device or resource busy")
+        return real_replace(source, target)
+
+    monkeypatch.setattr(files.os, "replace", refuse_moving_aside)
+    with pytest.raises(OSError, match="Device or resource busy"):
+        export(folder, tmp_path / "hf", "hf")
+    assert snapshot(tmp_path / "hf") == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
