@@ -51,7 +51,7 @@ from plan_activations import bench_plan_activations
 from ruler_cost import RULER_LENGTHS, RULER_N, RULER_TASKS, bench_ruler
 from training_steps import bench_kl_memory, bench_plan, bench_stage1, bench_stage2
 
-from tcal.cli.arguments import number, numbers, one_of
+from tcal.arguments import number, numbers, one_of
 from tcal.settings.evaluation import RULER_TASKS as KNOWN_RULER_TASKS
 from tcal.student.gdn_torch import chunk_gated_delta_rule_torch
 

@@ -17,7 +17,7 @@ import itertools
 import json
 
 from tcal import api
-from tcal.cli.arguments import number, numbers
+from tcal.arguments import number, numbers
 from tcal.errors import ConfigError
 from tcal.settings import RecallRetentionSettings
 

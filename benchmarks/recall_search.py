@@ -20,7 +20,7 @@ import json
 import time
 
 from tcal import api
-from tcal.cli.arguments import number, numbers
+from tcal.arguments import number, numbers
 from tcal.errors import ConfigError
 from tcal.retention.ga_s2 import initialized_gdns
 from tcal.retention.probe import probe_sequences

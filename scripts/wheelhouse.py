@@ -44,7 +44,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from tcal.cli.arguments import number
+from tcal.arguments import number
 from tcal.errors import ConfigError
 from tcal.store.files import check_writable, chmod_as_created, in_the_way
 

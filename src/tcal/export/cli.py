@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from tcal.cli.arguments import number
+from tcal.arguments import number
 from tcal.errors import ConfigError, config_error_exit
 from tcal.export.parity import LOGIT_TOLERANCE
 from tcal.export.refusal import ParityFailed

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tcal.cli.arguments import names
+from tcal.arguments import names
 from tcal.errors import ConfigError
 from tcal.store.files import check_writable, in_the_way, write_text_atomic
 from tcal.tools.dashboard import publish, wandb_target

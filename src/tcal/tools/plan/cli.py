@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tcal.cli.arguments import number
+from tcal.arguments import number
 from tcal.errors import ConfigError
 from tcal.tools.plan import memory
 from tcal.tools.plan.cost import hours_plan
