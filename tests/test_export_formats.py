@@ -358,3 +358,78 @@ def test_a_replace_the_filesystem_refuses_leaves_the_earlier_export_and_no_old_f
     with pytest.raises(OSError, match="Device or resource busy"):
         export(folder, tmp_path / "hf", "hf")
     assert snapshot(tmp_path / "hf") == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def word_tokenizer():
+    """A tiny fast tokenizer (whole words of the test vocabulary) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {**{f"w{i}": i for i in range(60)}, "[UNK]": 60}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[UNK]")
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+@pytest.fixture
+def pointing_source(students, tmp_path):
+    """A student folder whose configs point beyond what a student's save writes: its tokenizer's `auto_map` names a
+    module SOURCE holds (code that raises when run), its config's `auto_map` one it does not, its tokenizer config
+    names a data file SOURCE holds and one it does not; its generation defaults sample."""
+    student, _ = students["llama"]
+    source = export_student(student, word_tokenizer(), tmp_path / "student")
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    tokenizer_config.update({"auto_map": {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]},
+                             "extra_vocab_file": "extra_vocab.txt", "merges_file": "gone.txt"})
+    (source / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (source / "tokenization_custom.py").write_text("raise RuntimeError('SOURCE code ran')\n")
+    (source / "extra_vocab.txt").write_text("w1\nw2\n")
+    config = json.loads((source / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7,
+                                                               "eos_token_id": 5}))
+    return source
+
+
+@pytest.mark.parametrize("fmt", ["tcal", "hf", "vllm"])
+def test_an_export_carries_what_its_configs_name_or_drops_the_pointer(fmt, pointing_source, tmp_path):
+    """Every file DEST's configs name is in DEST (once: the tokenizer's `auto_map` named a module the export did not
+    carry, so `trust_remote_code=True` could not load it, and the config's named one too): a data file is carried,
+    SOURCE's code and a file SOURCE lacks lose their pointer, and DEST loads as its format's users load it, with
+    SOURCE's tokenizer, chat template and generation defaults."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    dest = tmp_path / fmt
+    record = export(pointing_source, dest, fmt)
+    tokenizer_config = json.loads((dest / "tokenizer_config.json").read_text())
+    config = json.loads((dest / "config.json").read_text())
+    assert "auto_map" not in tokenizer_config and "merges_file" not in tokenizer_config
+    assert config.get("auto_map") == ({"AutoConfig": "modeling_tcal_hybrid.TcalHybridConfig",
+                                       "AutoModelForCausalLM": "modeling_tcal_hybrid.TcalHybridForCausalLM"}
+                                      if fmt == "hf" else None)
+    assert tokenizer_config["extra_vocab_file"] == "extra_vocab.txt"
+    assert (dest / "extra_vocab.txt").read_text() == "w1\nw2\n"
+    assert not (dest / "tokenization_custom.py").exists() and not (dest / "modeling_custom.py").exists()
+    expected = word_tokenizer()
+    loaded = AutoTokenizer.from_pretrained(dest, trust_remote_code=fmt == "hf")
+    assert loaded("w3 w7 w59 zz")["input_ids"] == expected("w3 w7 w59 zz")["input_ids"] == [3, 7, 59, 60]
+    assert loaded.chat_template == expected.chat_template
+    defaults = GenerationConfig.from_pretrained(dest)
+    assert (defaults.do_sample, defaults.temperature, defaults.eos_token_id) == (True, 0.7, 5)
+    dropped = {(d["config"], d["key"]) for d in record["companions"]["dropped"]}
+    assert {("tokenizer_config.json", "auto_map.AutoTokenizer"), ("tokenizer_config.json", "merges_file")} <= dropped
+    assert record["loads"]["checked"] == ["tokenizer", "chat_template", "generation_config"]
+
+
+def test_an_export_whose_configs_name_a_file_it_lacks_is_not_written(pointing_source, tmp_path, monkeypatch):
+    """The check itself: with nothing carried nor dropped, DEST's configs name files it lacks, and nothing is
+    written."""
+    from tcal.export import write
+
+    monkeypatch.setattr(write, "carry_or_drop", lambda source, folder: {})
+    with pytest.raises(ParityFailed, match=r"configs name files it does not hold: .*tokenization_custom\.py"):
+        export(pointing_source, tmp_path / "hf", "hf")
+    assert not (tmp_path / "hf").exists()

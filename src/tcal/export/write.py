@@ -1,5 +1,6 @@
-"""One export: load the student, write the format into a temporary sibling of the destination, reload what was
-written, check it against the student (`tcal.export.parity`), record the check in `EXPORT_RECORD`, and only then
+"""One export: load the student, write the format into a temporary sibling of the destination, carry what its configs
+name (`tcal.export.companions`), reload what was written, check it against the student (`tcal.export.parity`) and
+its tokenizer and generation defaults against SOURCE's, record the check in `EXPORT_RECORD`, and only then
 move the folder into place (`tcal.store.files.write_folder_atomic`: a failed check, a refusal or a crash leaves the
 destination as it was).
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tcal.export.companions import carry_or_drop, loads_as_source
 from tcal.export.parity import LOGIT_TOLERANCE, parity_prompts
 from tcal.export.refusal import ExportRefused, ParityFailed
 from tcal.registry import EXPORT_FORMATS
@@ -149,6 +151,7 @@ def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANC
 
     def write(tmp: Path) -> None:
         export_format.write(student, tokenizer, tmp)
+        record["companions"] = carry_or_drop(folder, tmp)
         parity, entries = export_format.check_written(student, tmp, prompts, tolerance)
         record.update(entries)
         record["parity"] = parity.record()
@@ -156,6 +159,7 @@ def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANC
         if not parity.passed:
             raise ParityFailed(f"--format {fmt}: the written export does not reproduce the student ({parity.summary()}); "
                                f"nothing written to {dest}")
+        record["loads"] = loads_as_source(tmp, folder, tokenizer, export_format.trust_remote_code)
         record.update(export_format.after_parity(student, tmp, prompts, serve_python))
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
