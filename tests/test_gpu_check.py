@@ -127,3 +127,20 @@ def test_an_out_that_cannot_be_written_is_one_line_before_the_first_check(where,
     assert ": error: --out " in err.err.strip().splitlines()[-1] and "Traceback" not in err.err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "a_folder"]
     assert list((tmp_path / "a_folder").iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["a_file/triton", "/proc/tcal-gpu-check/triton"])
+def test_a_triton_cache_that_cannot_be_written_is_one_line_before_the_first_check(where, tmp_path, monkeypatch,
+                                                                                   capsys):
+    gpu_check = _gpu_check()
+    ran = []
+    monkeypatch.setattr(gpu_check, "CHECKS", (("quick", lambda: ran.append("quick"), 1),))
+    monkeypatch.setattr(gpu_check, "check_stack", lambda choice: ran.append("stack") or choice)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (tmp_path / "a_file").write_text("not a folder\n")
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main(["--out", str(tmp_path / "lines.jsonl"), "--triton-cache", str(tmp_path / where)])
+    err = capsys.readouterr()
+    assert exited.value.code == 2 and ran == [] and err.out == ""
+    assert ": error: --triton-cache " in err.err.strip().splitlines()[-1] and "Traceback" not in err.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

