@@ -377,12 +377,15 @@ def word_tokenizer():
 def pointing_source(students, tmp_path):
     """A student folder whose configs point beyond what a student's save writes: its tokenizer's `auto_map` names a
     module SOURCE holds (code that raises when run), its config's `auto_map` one it does not, its tokenizer config
-    names a data file SOURCE holds and one it does not; its generation defaults sample."""
+    names a data file SOURCE holds, one it does not, and two outside it (`../`, an absolute path); its generation
+    defaults sample."""
     student, _ = students["llama"]
     source = export_student(student, word_tokenizer(), tmp_path / "student")
     tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    (tmp_path / "outside.txt").write_text("beside SOURCE, not in it\n")
     tokenizer_config.update({"auto_map": {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]},
-                             "extra_vocab_file": "extra_vocab.txt", "merges_file": "gone.txt"})
+                             "extra_vocab_file": "extra_vocab.txt", "merges_file": "gone.txt",
+                             "up_file": "../outside.txt", "absolute_file": str(tmp_path / "outside.txt")})
     (source / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (source / "tokenization_custom.py").write_text("raise RuntimeError('SOURCE code ran')\n")
     (source / "extra_vocab.txt").write_text("w1\nw2\n")
@@ -406,7 +409,7 @@ def test_an_export_carries_what_its_configs_name_or_drops_the_pointer(fmt, point
     record = export(pointing_source, dest, fmt)
     tokenizer_config = json.loads((dest / "tokenizer_config.json").read_text())
     config = json.loads((dest / "config.json").read_text())
-    assert "auto_map" not in tokenizer_config and "merges_file" not in tokenizer_config
+    assert not {"auto_map", "merges_file", "up_file", "absolute_file"} & set(tokenizer_config)
     assert config.get("auto_map") == ({"AutoConfig": "modeling_tcal_hybrid.TcalHybridConfig",
                                        "AutoModelForCausalLM": "modeling_tcal_hybrid.TcalHybridForCausalLM"}
                                       if fmt == "hf" else None)
@@ -420,7 +423,9 @@ def test_an_export_carries_what_its_configs_name_or_drops_the_pointer(fmt, point
     defaults = GenerationConfig.from_pretrained(dest)
     assert (defaults.do_sample, defaults.temperature, defaults.eos_token_id) == (True, 0.7, 5)
     dropped = {(d["config"], d["key"]) for d in record["companions"]["dropped"]}
-    assert {("tokenizer_config.json", "auto_map.AutoTokenizer"), ("tokenizer_config.json", "merges_file")} <= dropped
+    assert {("tokenizer_config.json", key) for key in ("auto_map.AutoTokenizer", "merges_file", "up_file",
+                                                       "absolute_file")} <= dropped
+    assert sorted(p.name for p in dest.iterdir() if p.suffix == ".txt") == ["extra_vocab.txt"]
     assert record["loads"]["checked"] == ["tokenizer", "chat_template", "generation_config"]
 
 

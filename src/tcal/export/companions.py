@@ -59,25 +59,27 @@ def carry_or_drop(source: Path, folder: Path) -> dict:
             copy(source / name, folder / name)
             carried.append(name)
     for config, keys, name in named_files(folder):
-        if (folder / name).is_file():
+        if holds(folder, name):
             continue
         code = keys[0] == "auto_map"
         origin = source / name
-        if not code and is_inside(origin, source) and origin.is_file() and not origin.is_symlink():
+        if not code and holds(source, name) and not origin.is_symlink():
             copy(origin, folder / name)
             carried.append(name)
             continue
         why = ("SOURCE's code: never carried, never run" if code else
-               "not in SOURCE" if not origin.exists() else "not a file inside SOURCE")
+               "not a file inside SOURCE" if origin.exists() else "not in SOURCE")
         drop_pointer(folder / config, keys, name)
         dropped.append({"config": config, "key": ".".join(keys), "names": name, "why": why})
         log.info("export: %s %s named %s (%s): pointer dropped", config, ".".join(keys), name, why)
     return {"carried": sorted(set(carried)), "dropped": dropped}
 
 
-def is_inside(path: Path, folder: Path) -> bool:
-    resolved, root = path.resolve(), folder.resolve()
-    return resolved != root and root in resolved.parents
+def holds(folder: Path, name: str) -> bool:
+    """Whether `name` (as a config names it) is a file inside `folder`: not an absolute path, nor one that leaves
+    the folder (`../`, a link out of it)."""
+    path, root = (folder / name).resolve(), folder.resolve()
+    return root in path.parents and path.is_file()
 
 
 def copy(origin: Path, target: Path) -> None:
@@ -111,7 +113,7 @@ def loads_as_source(folder: Path, source: Path, tokenizer, trust_remote_code: bo
     from transformers import AutoTokenizer, GenerationConfig
 
     missing = [f"{config} {'.'.join(keys)} names {name}" for config, keys, name in named_files(folder)
-               if not (folder / name).is_file()]
+               if not holds(folder, name)]
     if missing:
         raise ParityFailed(f"the export's configs name files it does not hold: {'; '.join(missing)}")
     checked = []
@@ -129,7 +131,11 @@ def loads_as_source(folder: Path, source: Path, tokenizer, trust_remote_code: bo
             raise ParityFailed("the export's tokenizer has another chat template than SOURCE's")
         checked += ["tokenizer", "chat_template"]
     if (source / "generation_config.json").is_file():
-        theirs, ours = (GenerationConfig.from_pretrained(where).to_diff_dict() for where in (source, folder))
+        try:
+            theirs, ours = (GenerationConfig.from_pretrained(where).to_diff_dict() for where in (source, folder))
+        except Exception as err:  # noqa: BLE001 - any failure: a user cannot load the generation defaults
+            raise ParityFailed(f"the generation defaults do not load ({type(err).__name__}: "
+                               f"{' '.join(str(err).split())[:200]})") from None
         for config in (theirs, ours):
             config.pop("transformers_version", None)
         if theirs != ours:
