@@ -438,3 +438,22 @@ def test_an_export_whose_configs_name_a_file_it_lacks_is_not_written(pointing_so
     with pytest.raises(ParityFailed, match=r"configs name files it does not hold: .*tokenization_custom\.py"):
         export(pointing_source, tmp_path / "hf", "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_export_killed_between_its_renames_through_a_link_is_put_back_and_replaced(students, tmp_path):
+    """An export through a link killed after it moved the earlier export aside (`.old`, its writer dead) and before
+    the new one took its place: the next export through the link puts the earlier one back, then replaces it; the
+    link stays a link and nothing is left beside the folder."""
+    import socket
+    import subprocess
+    import sys
+
+    _, folder = students["llama"]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    exports = tmp_path / "exports"
+    export(folder, exports / f".v1.tcal-{socket.gethostname()}-{dead.pid}-abc123.old", "tcal")
+    (tmp_path / "current").symlink_to(exports / "v1")
+    assert export(folder, tmp_path / "current", "hf")["parity"]["passed"]
+    assert (tmp_path / "current").is_symlink() and (exports / "v1" / REMOTE_CODE.name).is_file()
+    assert sorted(p.name for p in exports.iterdir()) == ["v1"]
