@@ -457,3 +457,14 @@ def test_an_export_killed_between_its_renames_through_a_link_is_put_back_and_rep
     assert export(folder, tmp_path / "current", "hf")["parity"]["passed"]
     assert (tmp_path / "current").is_symlink() and (exports / "v1" / REMOTE_CODE.name).is_file()
     assert sorted(p.name for p in exports.iterdir()) == ["v1"]
+
+
+def test_a_dest_that_is_a_link_loop_is_one_line_before_any_work(students, tmp_path, capsys):
+    _, folder = students["llama"]
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(SystemExit) as exited:
+        export_main([str(folder), str(tmp_path / "a"), "--format", "tcal"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and "is a symbolic link that cannot be followed" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]

@@ -24,7 +24,7 @@ from tcal.export.companions import carry_or_drop, loads_as_source
 from tcal.export.parity import LOGIT_TOLERANCE, parity_prompts
 from tcal.export.refusal import ExportRefused, ParityFailed
 from tcal.registry import EXPORT_FORMATS
-from tcal.store.files import check_folder_target, check_writable, listed_files, write_folder_atomic
+from tcal.store.files import check_folder_target, check_writable, listed_files, through_links, write_folder_atomic
 from tcal.store.record import RESULTS
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def check_destination(source: Path, student: Path, dest: Path) -> None:
     student folder it reads, a folder inside either or above them), a run folder or what a run holds of its own
     (`RUN_CONTENTS`: its student, checkpoints, logs, record), or a folder tcal wrote that is not an earlier export
     (a student `tcal` or `api.save` saved). An earlier export, an empty or a new folder is written."""
-    where = dest.resolve()
+    where = through_links(dest).resolve()  # a link that loops: refused here, in one line
     for kept, what in ((student.resolve(), "the student it exports"), (source.resolve(), "SOURCE")):
         if where == kept or kept in where.parents or where in kept.parents:
             relation = "is" if where == kept else "is inside" if kept in where.parents else "holds"
