@@ -327,11 +327,12 @@ def test_runs_of_one_init_that_differ_in_a_setting_are_told_apart(tmp_path):
     (["--out", "/proc/tcal-report"], "--out /proc/tcal-report cannot be written"),
     (["--calibrated", "full,,phase2"], "argument --calibrated: 'full,,phase2'"),
     (["--calibrated", ""], "argument --calibrated: ''"),
-], ids=["out_unwritable", "calibrated_empty_item", "calibrated_empty"])
+    (["--baseline", " "], "argument --baseline: ' '"),
+], ids=["out_unwritable", "calibrated_empty_item", "calibrated_empty", "baseline_empty"])
 def test_arguments_that_cannot_mean_anything_are_one_line_before_any_record_is_read(flags, named, multirun, capsys,
                                                                                    monkeypatch):
-    """An --out no user can write (once: every record was read and the tables built, then a traceback) and an
-    --calibrated with an empty init: one line, exit code 2, before any record is read."""
+    """An --out no user can write (once: every record was read and the tables built, then a traceback), an
+    --calibrated with an empty init, an empty --baseline: one line, exit code 2, before any record is read."""
     from tcal.tools import report
 
     def read(*args, **kwargs):

@@ -48,6 +48,13 @@ def numbers(item: Callable[[str], object]) -> Callable[[str], tuple]:
     return parse
 
 
+def name(text: str) -> str:
+    """One name (an init, a project), not empty and not a list."""
+    if not text.strip() or "," in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one name")
+    return text.strip()
+
+
 def names(text: str) -> list[str]:
     """A comma list of names (inits, checks, tasks), none of them empty."""
     found = [part.strip() for part in text.split(",")]

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tcal.arguments import names
+from tcal.arguments import name, names
 from tcal.errors import ConfigError
 from tcal.store.files import check_writable, in_the_way, write_text_atomic
 from tcal.tools.dashboard import publish, wandb_target
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tcal-report", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a run or multirun folder (searched recursively)")
     parser.add_argument("--out", type=Path, help="output folder (default: FOLDER/report)")
-    parser.add_argument("--baseline", default="zero_gate", help="init whose tokens are the numerator of each gain")
+    parser.add_argument("--baseline", type=name, default="zero_gate", help="init whose tokens are the numerator of each gain")
     parser.add_argument("--calibrated", type=names,
                         help="comma-separated inits compared with the baseline (default: every other init with a curve)")
     parser.add_argument("--wandb-project", help="also log the tables to this W&B project (WANDB_MODE=offline works)")
