@@ -51,6 +51,8 @@ from plan_activations import bench_plan_activations
 from ruler_cost import RULER_LENGTHS, RULER_N, RULER_TASKS, bench_ruler
 from training_steps import bench_kl_memory, bench_plan, bench_stage1, bench_stage2
 
+from tcal.arguments import number, numbers, one_of
+from tcal.settings.evaluation import RULER_TASKS as KNOWN_RULER_TASKS
 from tcal.student.gdn_torch import chunk_gated_delta_rule_torch
 
 
@@ -97,33 +99,27 @@ def main(argv=None) -> None:
     parser.add_argument("groups", nargs="*", default=groups, choices=[*groups, "longctx", "serve", "ruler"])
     parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
 
-    def numbers(kind):
-        return lambda text: tuple(kind(part) for part in text.split(","))
+    count = number(int, above=0)  # lengths, batches, steps, examples
 
     long = parser.add_argument_group("longctx")
-    long.add_argument("--contexts", type=numbers(int), default=LONG_CONTEXTS, help="comma list of context lengths")
-    long.add_argument("--batches", type=numbers(int), default=LONG_CONTEXT_BATCHES, help="comma list of decode batches")
-    long.add_argument("--ratios", type=numbers(float), default=LONG_CONTEXT_RATIOS,
+    long.add_argument("--contexts", type=numbers(count), default=LONG_CONTEXTS, help="comma list of context lengths")
+    long.add_argument("--batches", type=numbers(count), default=LONG_CONTEXT_BATCHES, help="comma list of decode batches")
+    long.add_argument("--ratios", type=numbers(number(above=0, at_most=1)), default=LONG_CONTEXT_RATIOS,
                       help="comma list of retention ratios")
-    long.add_argument("--decode-tokens", type=int, default=LONG_CONTEXT_DECODE_TOKENS,
+    long.add_argument("--decode-tokens", type=count, default=LONG_CONTEXT_DECODE_TOKENS,
                       help="decoding steps timed per model and batch (the figure is their median)")
     long.add_argument("--no-peak-rss", dest="peak_rss", action="store_false",
                       help="skip the peak-RSS processes (each repeats its model's prefill)")
 
-    def positive(text):
-        if not text.isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"{text!r}; expected a positive integer")
-        return int(text)
-
     init = parser.add_argument_group("init")
-    init.add_argument("--phase2-steps", type=positive, default=None,
+    init.add_argument("--phase2-steps", type=count, default=None,
                       help="Phase 2 steps of every mode (calibration.phase2.steps, and init.phase2.steps of full_plus); "
                            "default: each mode's own (300)")
     ruler = parser.add_argument_group("ruler")
-    ruler.add_argument("--ruler-lengths", type=numbers(int), default=RULER_LENGTHS, help="comma list of lengths")
-    ruler.add_argument("--ruler-tasks", type=numbers(str), default=RULER_TASKS, help="comma list of RULER tasks")
-    ruler.add_argument("--ruler-n", type=positive, default=RULER_N, help="examples per length and task")
-    ruler.add_argument("--ruler-batch-size", type=positive, default=None,
+    ruler.add_argument("--ruler-lengths", type=numbers(count), default=RULER_LENGTHS, help="comma list of lengths")
+    ruler.add_argument("--ruler-tasks", type=numbers(one_of(KNOWN_RULER_TASKS)), default=RULER_TASKS, help="comma list of RULER tasks")
+    ruler.add_argument("--ruler-n", type=count, default=RULER_N, help="examples per length and task")
+    ruler.add_argument("--ruler-batch-size", type=count, default=None,
                        help="examples generated together (default: eval.ruler.batch_size's default)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)

@@ -52,6 +52,9 @@ from pathlib import Path
 
 import torch
 
+from tcal.errors import ConfigError
+from tcal.store.files import check_writable, in_the_way
+
 ROOT = Path(__file__).resolve().parents[1]
 FAILED: list[str] = []
 OUT: list = []  # the open JSON-lines file, once main has made it
@@ -536,7 +539,6 @@ def deadline(seconds: float):
 
 def check_stack(choice: str) -> str:
     """The `stack` line, and the kernel the checks use: `choice`, or `torch` where `auto` is refused here (said)."""
-    from tcal.errors import ConfigError
     from tcal.student.gdn import use_gdn_kernel
     from tcal.student.stack import read_stack
 
@@ -554,10 +556,30 @@ def check_stack(choice: str) -> str:
         return "torch"
 
 
-def open_out(path: str | None):
+def out_path(path: str | None) -> Path:
     """The JSON-lines file every line is appended to: `path`, or outputs/gpu_check/<UTC time>.jsonl."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    target = Path(path) if path else ROOT / "outputs" / "gpu_check" / f"{stamp}.jsonl"
+    return Path(path) if path else ROOT / "outputs" / "gpu_check" / f"{stamp}.jsonl"
+
+
+def out_problem(target: Path) -> str | None:
+    """Why lines cannot be appended to `target` (None: they can), found without writing it: a folder there, a file
+    on its way, a folder this user cannot write in, a file this user cannot write."""
+    if target.is_dir():
+        return f"{target} is a folder; expected a file to append JSON lines to"
+    blocker = in_the_way(target.parent)
+    if blocker is not None:
+        return f"{blocker} is a file; expected a folder there (writing {target})"
+    try:
+        check_writable(target.parent)
+    except ConfigError as err:
+        return str(err)
+    if target.exists() and not os.access(target, os.W_OK):
+        return f"{target} cannot be written by this user; expected a file this user can write"
+    return None
+
+
+def open_out(target: Path):
     target.parent.mkdir(parents=True, exist_ok=True)
     return target.open("a", encoding="utf-8")
 
@@ -585,7 +607,18 @@ def main(argv=None) -> int:
         parser.error(f"--only {args.only}: no check named {', '.join(unknown)}; expected some of {', '.join(names)}")
     if not args.budget > 0:
         parser.error(f"--budget {args.budget}: expected a positive number of seconds")
-    os.environ["TRITON_CACHE_DIR"] = str(Path(args.triton_cache or default_triton_cache()).resolve())
+    out = out_path(args.out)
+    problem = out_problem(out)
+    if problem:
+        parser.error(f"--out {problem}")
+    triton_cache = Path(args.triton_cache or default_triton_cache()).resolve()
+    if in_the_way(triton_cache) is not None:
+        parser.error(f"--triton-cache {triton_cache}: {in_the_way(triton_cache)} is a file; expected a folder")
+    try:
+        check_writable(triton_cache)
+    except ConfigError as err:
+        parser.error(f"--triton-cache {err}")
+    os.environ["TRITON_CACHE_DIR"] = str(triton_cache)
     os.environ.setdefault("FLA_CACHE_RESULTS", "1")
     GDN_KERNEL["choice"] = args.gdn_kernel
     if args.killed_child:
@@ -594,7 +627,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"check": "gpu", "skipped": "no CUDA device visible; nothing to check here"}), flush=True)
         return 0
-    OUT.append(open_out(args.out))
+    try:
+        OUT.append(open_out(out))
+    except OSError as err:
+        parser.error(f"--out {out}: cannot be written ({err.strerror or type(err).__name__})")
     started = time.perf_counter()
     emit("gpu", None, out=OUT[0].name, budget_s=args.budget, triton_cache=os.environ["TRITON_CACHE_DIR"])
     GDN_KERNEL["choice"] = check_stack(args.gdn_kernel)

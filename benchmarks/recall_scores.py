@@ -17,6 +17,8 @@ import itertools
 import json
 
 from tcal import api
+from tcal.arguments import number, numbers
+from tcal.errors import ConfigError
 from tcal.settings import RecallRetentionSettings
 
 WATCHED = (7, 16, 18)  # the layers whose replacement removes SmolLM2's retrieval (docs/results.md, "Long context")
@@ -34,16 +36,21 @@ def setting(text: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--ratios", default="0.25,0.5,0.75")
+    parser.add_argument("--seeds", type=numbers(number(int, at_least=0)), default=(0, 1, 2))
+    parser.add_argument("--ratios", type=numbers(number(above=0, at_most=1)), default=(0.25, 0.5, 0.75))
     parser.add_argument("overrides", nargs="*", type=setting)
     args = parser.parse_args()
+    try:  # every probe's settings checked before the teacher loads
+        cfgs = {(seed, ratio): RecallRetentionSettings(ratio=ratio, probe_seed=seed, **dict(args.overrides))
+                for seed in args.seeds for ratio in args.ratios}
+    except (ConfigError, TypeError) as err:
+        parser.error(str(err))
     teacher, splits = api.load_teacher(), api.load_data()
     layers = teacher.model.config.num_hidden_layers
     keeps: dict[float, dict[int, list[int]]] = {}
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for ratio in (float(r) for r in args.ratios.split(",")):
-            cfg = RecallRetentionSettings(ratio=ratio, probe_seed=seed, **dict(args.overrides))
+    for seed in args.seeds:
+        for ratio in args.ratios:
+            cfg = cfgs[(seed, ratio)]
             selection = api.select_layers(teacher, splits, cfg)
             details = selection.details
             keeps.setdefault(ratio, {})[seed] = selection.keep_layers

@@ -20,6 +20,8 @@ import json
 import time
 
 from tcal import api
+from tcal.arguments import number, numbers
+from tcal.errors import ConfigError
 from tcal.retention.ga_s2 import initialized_gdns
 from tcal.retention.probe import probe_sequences
 from tcal.retention.search import Students, mean_column
@@ -32,20 +34,26 @@ def rounded(value, places: int = 4):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--ratios", default="0.25,0.5")
-    parser.add_argument("--curve", type=int, default=0, help="layers to add to the first seed's searched lists")
+    parser.add_argument("--seeds", type=numbers(number(int, at_least=0)), default=(0, 1, 2))
+    parser.add_argument("--ratios", type=numbers(number(above=0, at_most=1)), default=(0.25, 0.5))
+    parser.add_argument("--curve", type=number(int, at_least=0), default=0,
+                        help="layers to add to the first seed's searched lists")
     parser.add_argument("overrides", nargs="*", default=["init=phase2"])
     args = parser.parse_args()
-    base = settings_for("retention=recall", "retention.search=greedy", *args.overrides)
+    try:  # every search's settings checked before the teacher loads
+        base = settings_for("retention=recall", "retention.search=greedy", *args.overrides)
+        runs = {(ratio, seed): dataclasses.replace(base, retention=dataclasses.replace(base.retention, ratio=ratio,
+                                                                                      probe_seed=seed))
+                for ratio in args.ratios for seed in args.seeds}
+    except ConfigError as err:
+        parser.error(str(err))
     teacher, splits = api.load_teacher(base.teacher), api.load_data(base.data)
     layers = teacher.num_layers
     keeps: dict[float, dict[int, list[int]]] = {}
     searches: dict[tuple[int, float], tuple] = {}
-    for ratio in (float(r) for r in args.ratios.split(",")):
-        for seed in (int(s) for s in args.seeds.split(",")):
-            settings = dataclasses.replace(base, retention=dataclasses.replace(base.retention, ratio=ratio,
-                                                                               probe_seed=seed))
+    for ratio in args.ratios:
+        for seed in args.seeds:
+            settings = runs[(ratio, seed)]
             selection = api.select_layers(teacher, splits, settings.retention, settings.init, settings.calibration,
                                           settings.seed, data=settings.data, trainer=settings.trainer)
             search = selection.details["search"]
@@ -65,7 +73,7 @@ def main() -> None:
         for (a, keep_a), (b, keep_b) in itertools.combinations(by_seed.items(), 2):
             print(json.dumps({"ratio": ratio, "seeds": [a, b], "layers_differing": len(set(keep_a) - set(keep_b))}))
     if args.curve:
-        first = int(args.seeds.split(",")[0])
+        first = args.seeds[0]
         for ratio in keeps:
             settings, search = searches[(first, ratio)]
             ctx = api.Run.of(teacher, splits, settings)

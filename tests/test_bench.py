@@ -170,3 +170,54 @@ def test_bench_ruler_prints_a_line_per_length_and_task_and_the_cell(capsys):
     assert cell["ratio"] == pytest.approx(cell["batched_s"] / cell["one_by_one_s"], rel=1e-3)
     assert cell["same_replies"] is True and cell["n"] == 3 and cell["batch_size"] == 2
     assert len(capsys.readouterr().out.strip().splitlines()) == 3
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--contexts", "0"], "argument --contexts: '0'"),
+    (["--contexts", "4096,"], "argument --contexts: '4096,'"),
+    (["--batches", "-1"], "argument --batches: '-1'"),
+    (["--ratios", "nan"], "argument --ratios: 'nan'"),
+    (["--ratios", "1.5"], "argument --ratios: '1.5'"),
+    (["--decode-tokens", "0"], "argument --decode-tokens: '0'"),
+    (["--ruler-lengths", "-512"], "argument --ruler-lengths: '-512'"),
+    (["--ruler-tasks", "niah_single,no_such_task"], "argument --ruler-tasks: 'no_such_task'"),
+    (["--ruler-n", "0"], "argument --ruler-n: '0'"),
+])
+def test_bench_arguments_that_cannot_mean_anything_are_one_line_before_any_work(flags, named, capsys, monkeypatch):
+    """Lengths, batches, token counts and examples that are not positive, retention ratios outside (0, 1] or NaN,
+    an unknown RULER task: one line naming the flag, exit code 2, before any benchmark runs."""
+    import bench
+
+    def ran(*args, **kwargs):
+        raise AssertionError("a benchmark ran")
+
+    monkeypatch.setattr(bench, "bench_gdn", ran)
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["gdn", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and named in err[-1], err
+
+
+@pytest.mark.parametrize("script,flags,named", [
+    ("recall_scores", ["--seeds", "0,a"], "argument --seeds: 'a'"),
+    ("recall_scores", ["--ratios", "0"], "argument --ratios: '0'"),
+    ("recall_scores", ["no_such_setting=1"], "no_such_setting"),
+    ("recall_search", ["--seeds", "-1"], "argument --seeds: '-1'"),
+    ("recall_search", ["--ratios", "0.5,inf"], "argument --ratios: 'inf'"),
+    ("recall_search", ["--curve", "-2"], "argument --curve: '-2'"),
+])
+def test_recall_benchmark_arguments_are_checked_before_the_teacher_loads(script, flags, named, capsys, monkeypatch):
+    import importlib
+    import sys
+
+    from tcal import api
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the teacher was loaded")
+
+    monkeypatch.setattr(api, "load_teacher", loaded)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *flags])
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(script).main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and named in err[-1], err

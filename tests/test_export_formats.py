@@ -292,3 +292,179 @@ def test_a_dest_that_cannot_be_written_is_one_line_before_any_work(students, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"tcal-export: cannot write {tmp_path / 'full'}: No space left on device (ENOSPC)")
     assert not (tmp_path / "full").exists()
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--tolerance", "nan"], "argument --tolerance: 'nan'"),
+    (["--tolerance", "-0.5"], "argument --tolerance: '-0.5'"),
+    (["--tolerance", "inf"], "argument --tolerance: 'inf'"),
+    (["--serve-python", "/no/such/python"], "--serve-python /no/such/python: not an executable file"),
+], ids=["nan", "negative", "inf", "serve_python_missing"])
+def test_arguments_that_cannot_mean_anything_are_one_line_before_any_work(flags, named, students, tmp_path, capsys,
+                                                                          monkeypatch):
+    """A tolerance that is NaN, negative or infinite (once: the whole export ran, then "does not reproduce the
+    student"), or a --serve-python that is not there: one line, exit code 2, the student never loaded."""
+    from tcal.export import write
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the student was loaded")
+
+    monkeypatch.setattr(write, "load_student", loaded)
+    _, folder = students["llama"]
+    with pytest.raises(SystemExit) as exited:
+        export_main([str(folder), str(tmp_path / "out"), "--format", "vllm", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and named in err[-1] and "Traceback" not in "\n".join(err), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["earlier_export", "not_made_yet"])
+def test_a_dest_spelled_through_a_symlink_is_exported_through_it(target, students, tmp_path, capsys):
+    """DEST a symbolic link to an earlier export (once: the whole export ran, then the replace failed and left an
+    empty `.old` beside it), or to a folder not made yet: the export replaces the folder the link points at, the
+    link stays, and nothing else is left beside them."""
+    _, folder = students["llama"]
+    real = tmp_path / "exports" / "v1"
+    if target == "earlier_export":
+        export(folder, real, "tcal")
+    else:
+        real.parent.mkdir()
+    (tmp_path / "current").symlink_to(Path("exports") / "v1")
+    assert export_main([str(folder), str(tmp_path / "current"), "--format", "hf"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "current").is_symlink() and (tmp_path / "current").resolve() == real.resolve()
+    assert json.loads((real / EXPORT_RECORD).read_text())["format"] == "hf"
+    assert (real / REMOTE_CODE.name).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "exports"]
+    assert sorted(p.name for p in real.parent.iterdir()) == ["v1"]
+
+
+def test_a_replace_the_filesystem_refuses_leaves_the_earlier_export_and_no_old_folder(students, tmp_path,
+                                                                                       monkeypatch):
+    """The first rename of a replace (the earlier export moved aside) refused: the earlier export is whole where it
+    was and no empty `.old` folder is left beside it."""
+    from tcal.store import files
+
+    _, folder = students["llama"]
+    export(folder, tmp_path / "hf", "tcal")
+    before = snapshot(tmp_path / "hf")
+    real_replace = files.os.replace
+
+    def refuse_moving_aside(source, target):
+        if str(target).endswith(".old"):
+            raise OSError(16, "Device or resource busy")
+        return real_replace(source, target)
+
+    monkeypatch.setattr(files.os, "replace", refuse_moving_aside)
+    with pytest.raises(OSError, match="Device or resource busy"):
+        export(folder, tmp_path / "hf", "hf")
+    assert snapshot(tmp_path / "hf") == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def word_tokenizer():
+    """A tiny fast tokenizer (whole words of the test vocabulary) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {**{f"w{i}": i for i in range(60)}, "[UNK]": 60}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[UNK]")
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+@pytest.fixture
+def pointing_source(students, tmp_path):
+    """A student folder whose configs point beyond what a student's save writes: its tokenizer's `auto_map` names a
+    module SOURCE holds (code that raises when run), its config's `auto_map` one it does not, its tokenizer config
+    names a data file SOURCE holds, one it does not, and two outside it (`../`, an absolute path); its generation
+    defaults sample."""
+    student, _ = students["llama"]
+    source = export_student(student, word_tokenizer(), tmp_path / "student")
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    (tmp_path / "outside.txt").write_text("beside SOURCE, not in it\n")
+    tokenizer_config.update({"auto_map": {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]},
+                             "extra_vocab_file": "extra_vocab.txt", "merges_file": "gone.txt",
+                             "up_file": "../outside.txt", "absolute_file": str(tmp_path / "outside.txt")})
+    (source / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (source / "tokenization_custom.py").write_text("raise RuntimeError('SOURCE code ran')\n")
+    (source / "extra_vocab.txt").write_text("w1\nw2\n")
+    config = json.loads((source / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7,
+                                                               "eos_token_id": 5}))
+    return source
+
+
+@pytest.mark.parametrize("fmt", ["tcal", "hf", "vllm"])
+def test_an_export_carries_what_its_configs_name_or_drops_the_pointer(fmt, pointing_source, tmp_path):
+    """Every file DEST's configs name is in DEST (once: the tokenizer's `auto_map` named a module the export did not
+    carry, so `trust_remote_code=True` could not load it, and the config's named one too): a data file is carried,
+    SOURCE's code and a file SOURCE lacks lose their pointer, and DEST loads as its format's users load it, with
+    SOURCE's tokenizer, chat template and generation defaults."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    dest = tmp_path / fmt
+    record = export(pointing_source, dest, fmt)
+    tokenizer_config = json.loads((dest / "tokenizer_config.json").read_text())
+    config = json.loads((dest / "config.json").read_text())
+    assert not {"auto_map", "merges_file", "up_file", "absolute_file"} & set(tokenizer_config)
+    assert config.get("auto_map") == ({"AutoConfig": "modeling_tcal_hybrid.TcalHybridConfig",
+                                       "AutoModelForCausalLM": "modeling_tcal_hybrid.TcalHybridForCausalLM"}
+                                      if fmt == "hf" else None)
+    assert tokenizer_config["extra_vocab_file"] == "extra_vocab.txt"
+    assert (dest / "extra_vocab.txt").read_text() == "w1\nw2\n"
+    assert not (dest / "tokenization_custom.py").exists() and not (dest / "modeling_custom.py").exists()
+    expected = word_tokenizer()
+    loaded = AutoTokenizer.from_pretrained(dest, trust_remote_code=fmt == "hf")
+    assert loaded("w3 w7 w59 zz")["input_ids"] == expected("w3 w7 w59 zz")["input_ids"] == [3, 7, 59, 60]
+    assert loaded.chat_template == expected.chat_template
+    defaults = GenerationConfig.from_pretrained(dest)
+    assert (defaults.do_sample, defaults.temperature, defaults.eos_token_id) == (True, 0.7, 5)
+    dropped = {(d["config"], d["key"]) for d in record["companions"]["dropped"]}
+    assert {("tokenizer_config.json", key) for key in ("auto_map.AutoTokenizer", "merges_file", "up_file",
+                                                       "absolute_file")} <= dropped
+    assert sorted(p.name for p in dest.iterdir() if p.suffix == ".txt") == ["extra_vocab.txt"]
+    assert record["loads"]["checked"] == ["tokenizer", "chat_template", "generation_config"]
+
+
+def test_an_export_whose_configs_name_a_file_it_lacks_is_not_written(pointing_source, tmp_path, monkeypatch):
+    """The check itself: with nothing carried nor dropped, DEST's configs name files it lacks, and nothing is
+    written."""
+    from tcal.export import write
+
+    monkeypatch.setattr(write, "carry_or_drop", lambda source, folder: {})
+    with pytest.raises(ParityFailed, match=r"configs name files it does not hold: .*tokenization_custom\.py"):
+        export(pointing_source, tmp_path / "hf", "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_an_export_killed_between_its_renames_through_a_link_is_put_back_and_replaced(students, tmp_path):
+    """An export through a link killed after it moved the earlier export aside (`.old`, its writer dead) and before
+    the new one took its place: the next export through the link puts the earlier one back, then replaces it; the
+    link stays a link and nothing is left beside the folder."""
+    import socket
+    import subprocess
+    import sys
+
+    _, folder = students["llama"]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    exports = tmp_path / "exports"
+    export(folder, exports / f".v1.tcal-{socket.gethostname()}-{dead.pid}-abc123.old", "tcal")
+    (tmp_path / "current").symlink_to(exports / "v1")
+    assert export(folder, tmp_path / "current", "hf")["parity"]["passed"]
+    assert (tmp_path / "current").is_symlink() and (exports / "v1" / REMOTE_CODE.name).is_file()
+    assert sorted(p.name for p in exports.iterdir()) == ["v1"]
+
+
+def test_a_dest_that_is_a_link_loop_is_one_line_before_any_work(students, tmp_path, capsys):
+    _, folder = students["llama"]
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(SystemExit) as exited:
+        export_main([str(folder), str(tmp_path / "a"), "--format", "tcal"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and "is a symbolic link that cannot be followed" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]

@@ -106,3 +106,41 @@ def test_the_zero_shot_and_stage2_checks_compose_and_plan_on_a_cpu():
     gpu_check.GDN_KERNEL["choice"] = "auto"
     assert gpu_check.CPU_ZERO_SHOT_PPL > 1
     assert gpu_check.stage2_flops_per_token() > 6 * 100e6  # at least 6 x the trained parameters of SmolLM2's student
+
+
+@pytest.mark.parametrize("where", ["a_folder", "a_file/lines.jsonl", "/proc/tcal-gpu-check/lines.jsonl"])
+def test_an_out_that_cannot_be_written_is_one_line_before_the_first_check(where, tmp_path, monkeypatch, capsys):
+    """`--out` to a folder, under a file, or where no user can write: one line naming it, exit code 2, on a (faked)
+    CUDA machine before the stack line or any check runs; nothing is written there."""
+    gpu_check = _gpu_check()
+    ran = []
+    monkeypatch.setattr(gpu_check, "CHECKS", (("quick", lambda: ran.append("quick"), 1),))
+    monkeypatch.setattr(gpu_check, "check_stack", lambda choice: ran.append("stack") or choice)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "a_file").write_text("not a folder\n")
+    out = tmp_path / where
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main(["--out", str(out), "--triton-cache", str(tmp_path / "triton")])
+    err = capsys.readouterr()
+    assert exited.value.code == 2 and ran == [] and err.out == ""
+    assert ": error: --out " in err.err.strip().splitlines()[-1] and "Traceback" not in err.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "a_folder"]
+    assert list((tmp_path / "a_folder").iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["a_file/triton", "/proc/tcal-gpu-check/triton"])
+def test_a_triton_cache_that_cannot_be_written_is_one_line_before_the_first_check(where, tmp_path, monkeypatch,
+                                                                                   capsys):
+    gpu_check = _gpu_check()
+    ran = []
+    monkeypatch.setattr(gpu_check, "CHECKS", (("quick", lambda: ran.append("quick"), 1),))
+    monkeypatch.setattr(gpu_check, "check_stack", lambda choice: ran.append("stack") or choice)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (tmp_path / "a_file").write_text("not a folder\n")
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main(["--out", str(tmp_path / "lines.jsonl"), "--triton-cache", str(tmp_path / where)])
+    err = capsys.readouterr()
+    assert exited.value.code == 2 and ran == [] and err.out == ""
+    assert ": error: --triton-cache " in err.err.strip().splitlines()[-1] and "Traceback" not in err.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

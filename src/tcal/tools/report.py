@@ -14,7 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from tcal.store.files import in_the_way, write_text_atomic
+from tcal.arguments import name, names
+from tcal.errors import ConfigError
+from tcal.store.files import check_writable, in_the_way, write_text_atomic
 from tcal.tools.dashboard import publish, wandb_target
 from tcal.tools.figures import (
     ablation_table,
@@ -78,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tcal-report", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a run or multirun folder (searched recursively)")
     parser.add_argument("--out", type=Path, help="output folder (default: FOLDER/report)")
-    parser.add_argument("--baseline", default="zero_gate", help="init whose tokens are the numerator of each gain")
-    parser.add_argument("--calibrated", type=lambda text: [init.strip() for init in text.split(",")],
+    parser.add_argument("--baseline", type=name, default="zero_gate", help="init whose tokens are the numerator of each gain")
+    parser.add_argument("--calibrated", type=names,
                         help="comma-separated inits compared with the baseline (default: every other init with a curve)")
     parser.add_argument("--wandb-project", help="also log the tables to this W&B project (WANDB_MODE=offline works)")
     parser.add_argument("--wandb", type=wandb_target, metavar="ENTITY/PROJECT",
@@ -93,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if blocker is not None:
         parser.error(f"--out {out}: {blocker} is a file; expected a folder for the report (or a path where one can "
                      f"be made)")
+    try:
+        check_writable(out)
+    except ConfigError as err:
+        parser.error(f"--out {err}")
     logger = None
     if args.wandb_project:
         logger = wandb_logger(args.wandb_project, out, f"report-{args.folder.name}", "report",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
+from tcal.arguments import number
 from tcal.errors import ConfigError
 from tcal.tools.plan import memory
 from tcal.tools.plan.cost import hours_plan
@@ -24,8 +24,9 @@ def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HE
     from tcal.settings.retention import uniform_layers
     from tcal.teachers.load import teacher_architecture
 
-    if headroom_gb < 0 or headroom_gb >= device_gb:
-        raise ConfigError(f"--headroom-gb {headroom_gb:g}: expected 0 <= headroom < the device's {device_gb:g} GB")
+    problem = headroom_problem(device_gb, headroom_gb)
+    if problem:
+        raise ConfigError(problem)
     check_plan(settings)
     num_layers = teacher_architecture(settings.teacher, settings.paths.cache_dir).num_hidden_layers
     retention = memory.retention_plan(settings, num_layers)
@@ -66,15 +67,11 @@ def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HE
     }
 
 
-def gigabytes(text: str) -> float:
-    """A finite number of GB >= 0 (argparse's `type`: its error names the flag); NaN and infinity plan nothing."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of GB >= 0")
-    return value
+def headroom_problem(device_gb: float, headroom_gb: float) -> str | None:
+    """Why `--headroom-gb` cannot be kept free on a device of `device_gb` (None: it can)."""
+    if not 0 <= headroom_gb < device_gb:
+        return f"--headroom-gb {headroom_gb:g}: expected 0 <= headroom < the device's {device_gb:g} GB"
+    return None
 
 
 def main(argv=None) -> None:
@@ -93,11 +90,15 @@ def main(argv=None) -> None:
     parser.add_argument("--slurm-env", action="store_true",
                         help="the environment hydra/launcher=slurm_gpu reads (memory, CPUs and GPUs of a node), "
                              "the largest over the plans: eval \"$(tcal-plan ... --slurm-env)\"")
-    parser.add_argument("--device-gb", type=gigabytes, default=80.0, help="memory of one device (default 80)")
-    parser.add_argument("--headroom-gb", type=gigabytes, default=DEFAULT_HEADROOM_GB,
+    parser.add_argument("--device-gb", type=number(above=0, unit="GB"), default=80.0,
+                        help="memory of one device (default 80)")
+    parser.add_argument("--headroom-gb", type=number(at_least=0, unit="GB"), default=DEFAULT_HEADROOM_GB,
                         help=f"kept free on each device: fits means peak + headroom <= device "
                              f"(default {DEFAULT_HEADROOM_GB:g})")
     args = parser.parse_args(argv)
+    problem = headroom_problem(args.device_gb, args.headroom_gb)
+    if problem:
+        parser.error(problem)
     try:
         with hydra_configs():
             runs = [(" ".join(job) or "(defaults)",
