@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from tcal import run
-from tcal.data.documents import Splits
+from tcal.data.documents import Splits, load_splits
 from tcal.errors import ConfigError
 from tcal.retention import Selection
 from tcal.run import Run, Teacher, default_cache_dir
@@ -80,7 +80,7 @@ def load_teacher(settings: TeacherSettings | None = None, cache_dir: PathLike | 
 @handling
 def load_data(settings: DataSettings | None = None) -> Splits:
     """The documents of `settings`, split by document into train / calibration / evaluation."""
-    return run.load_data(RunSettings(data=settings or DataSettings()).data)
+    return load_splits(RunSettings(data=settings or DataSettings()).data)
 
 
 @handling
@@ -124,16 +124,12 @@ def distill(student: torch.nn.Module, teacher: Teacher, splits: Splits, stage: S
             trainer: TrainerSettings | None = None, seed: int = 0, run_dir: PathLike | None = None,
             cache_dir: PathLike | None = None, ranks: Ranks | None = None, resume: bool = False, logger: object = None,
             callbacks: list | None = None):
-    """Train the student for one stage (or a sequence) of `stage` (default: Stage 2 distillation), `tokens`
-    replacing its token budget; returns (the trained student, the stage records with their perplexity curves on
-    the eval sets of `data`). Under a mixed precision the student trains on float32 weights. A Lightning `logger`
-    and `callbacks` join every stage's Trainer; `resume` continues each stage from its last checkpoint in `run_dir`
-    (held by rank 0, one live run per folder, as for `tcal`). This is the training `tcal` runs (`Run.train`)."""
-    stage = with_budget(stage or DistillSettings(), tokens)
-    settings = step_settings(teacher, cache_dir, data=data, stage=stage, eval=eval, trainer=trainer, seed=seed)
+    """`Run.train` of `stage` (default: Stage 2 distillation), `tokens` its budget: (trained student, stage records)."""
+    settings = step_settings(teacher, cache_dir, data=data, stage=with_budget(stage or DistillSettings(), tokens),
+                             eval=eval, trainer=trainer, seed=seed)
     this_run = Run.build(settings, ("train",), teacher, splits, run_dir, resume, ranks, logger=logger,
                          extra_callbacks=list(callbacks or []))
-    with holding_folder(this_run.run_dir) if this_run.ranks.is_main else contextlib.nullcontext():
+    with holding_folder(this_run.run_dir) if this_run.ranks.is_main else contextlib.nullcontext():  # as `tcal`'s
         return this_run.train(student)
 
 

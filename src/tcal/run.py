@@ -24,7 +24,7 @@ from tcal.preflight import STEPS, check_loaded, check_machine, check_steps, conf
 from tcal.retention import Selection
 from tcal.retention import select_layers as policy_selection
 from tcal.runtime.distributed import Ranks
-from tcal.settings import DataSettings, RunSettings, TeacherSettings
+from tcal.settings import RunSettings, TeacherSettings
 from tcal.store.files import check_folder_target
 from tcal.store.record import Record, read_record
 from tcal.store.rerun import check_checkpoints, check_same_inputs
@@ -64,11 +64,6 @@ def load_teacher(settings: TeacherSettings, cache_dir, device=None) -> Teacher:
     return Teacher(model, tokenizer, settings)
 
 
-def load_data(settings: DataSettings) -> Splits:
-    """The documents of `settings`, split by document into train / calibration / evaluation."""
-    return load_splits(settings)
-
-
 def check_student_teacher(student, teacher: torch.nn.Module) -> None:
     """The student was converted from a teacher of `teacher`'s family and shape (its config records that teacher):
     a student of another teacher would calibrate or distill against the wrong one without a word."""
@@ -101,18 +96,18 @@ class Run(RunContext):
         this rank's device) loaded, the stages planned and its record begun (a resume's continues the one on disk).
         With the `teacher` and `splits` of the Python API, it checks the steps against them."""
         ranks = ranks or Ranks()
+        run_dir = Path(run_dir) if run_dir is not None else Path("outputs") / "python_api"  # stage checkpoints
         with ranks.together():
             if teacher is None:
-                return cls.loaded(settings, steps, Path(run_dir), resume, ranks)
+                return cls.loaded(settings, steps, run_dir, resume, ranks, **fields)
             on_cuda = next(teacher.model.parameters()).is_cuda
-            this_run = cls(settings, teacher.model, teacher.tokenizer, splits, Path(settings.paths.cache_dir),
-                           Path(run_dir) if run_dir is not None else Path("outputs") / "python_api", ranks=ranks,
-                           gdn_kernel=check_steps(settings, steps, on_cuda), resume=resume, **fields)
+            this_run = cls(settings, teacher.model, teacher.tokenizer, splits, Path(settings.paths.cache_dir), run_dir,
+                           ranks=ranks, gdn_kernel=check_steps(settings, steps, on_cuda), resume=resume, **fields)
             check_loaded(this_run, steps)
         return this_run
 
     @classmethod
-    def loaded(cls, settings: RunSettings, steps, run_dir: Path, resume: bool, ranks: Ranks) -> Run:
+    def loaded(cls, settings: RunSettings, steps, run_dir: Path, resume: bool, ranks: Ranks, **fields) -> Run:
         """`tcal`'s road of `build`: what the files and this machine hold checked, then loaded and checked."""
         from tcal.training.run import plan_stages
 
@@ -125,7 +120,7 @@ class Run(RunContext):
         torch.manual_seed(int(settings.seed))
         torch.set_flush_denormal(True)  # strongly decaying GDN states underflow; denormals slow CPU math ~10x
         with record.timed("load_data"):
-            splits = load_data(settings.data)
+            splits = load_splits(settings.data)
             inputs = input_digests(settings.data, splits)
         recorded = (record.earlier or {}).get("inputs")
         if recorded:  # a run continues on the data it started with (a record older than `inputs`: unchecked)
@@ -133,7 +128,7 @@ class Run(RunContext):
         with record.timed("load_teacher"):
             teacher = load_teacher(settings.teacher, settings.paths.cache_dir, ranks.device)
         this_run = cls(settings, teacher.model, teacher.tokenizer, splits, Path(settings.paths.cache_dir), run_dir,
-                       ranks=ranks, gdn_kernel=kernel, resume=resume, inputs=inputs, record=record)
+                       ranks=ranks, gdn_kernel=kernel, resume=resume, inputs=inputs, record=record, **fields)
         check_loaded(this_run, steps, configured_shape(settings.teacher))
         with record.timed("load_training_data"):
             this_run.plans = plan_stages(this_run)

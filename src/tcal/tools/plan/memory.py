@@ -435,7 +435,7 @@ def calibration_memory(settings, model: Model, device_type: str, world: int = 1)
     memory.notes.append(f"activations: the larger of the teacher's statistics forward and Phase 2 of the {fitted} "
                         f"layer(s) fitted together")
     if planned_keep(settings.retention, model.teacher_config.num_hidden_layers) is None:
-        memory.notes.append(f"retention={settings.retention.name} first scores the layers on the real teacher (not "
+        memory.notes.append(f"retention={settings.retention.name} chooses its layers on the real teacher first (not "
                             f"planned)")
     return memory
 
