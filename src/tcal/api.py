@@ -33,7 +33,7 @@ from tcal import run
 from tcal.data.documents import Splits, load_splits
 from tcal.errors import ConfigError
 from tcal.retention import Selection
-from tcal.run import Run, Teacher, default_cache_dir
+from tcal.run import Run, Teacher
 from tcal.runtime.distributed import Ranks
 from tcal.runtime.signals import handling
 from tcal.settings import (
@@ -64,17 +64,23 @@ def step_settings(teacher: Teacher, cache_dir: PathLike | None = None, **groups)
     settings."""
     if not isinstance(teacher, Teacher):
         raise ConfigError(f"teacher: a {type(teacher).__name__}; expected a Teacher (api.load_teacher)")
-    paths = PathsSettings(cache_dir=os.fspath(cache_dir if cache_dir is not None else default_cache_dir()))
-    return RunSettings(teacher=teacher.settings, paths=paths,
+    return RunSettings(teacher=teacher.settings, paths=cache_paths(cache_dir),
                        **{name: value for name, value in groups.items() if value is not None})
+
+
+def cache_paths(cache_dir: PathLike | None) -> PathsSettings:
+    """The caches under `cache_dir`, by default where `tcal` keeps them (conf/paths/default.yaml): $TCAL_CACHE_DIR,
+    else .cache/tcal."""
+    return PathsSettings(cache_dir=os.fspath(cache_dir if cache_dir is not None else
+                                             os.environ.get("TCAL_CACHE_DIR") or ".cache/tcal"))
 
 
 @handling
 def load_teacher(settings: TeacherSettings | None = None, cache_dir: PathLike | None = None,
                  device: str | torch.device | None = None) -> Teacher:
     """The teacher `settings` name, on `device` (default: the CPU)."""
-    settings = RunSettings(teacher=settings or default_teacher())  # refused in one line unless a TeacherSettings
-    return run.load_teacher(settings.teacher, os.fspath(cache_dir or default_cache_dir()), device)
+    settings = RunSettings(teacher=settings or default_teacher(), paths=cache_paths(cache_dir))
+    return run.load_teacher(settings.teacher, settings.paths.cache_dir, device)
 
 
 @handling

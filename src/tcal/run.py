@@ -9,7 +9,6 @@ chooses the delta rule's kernel for this run (`trainer.gdn_kernel`), which every
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,11 +46,6 @@ class Teacher:
     @property
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
-
-
-def default_cache_dir() -> Path:
-    """Where `tcal` keeps its caches (conf/paths/default.yaml): $TCAL_CACHE_DIR, else .cache/tcal."""
-    return Path(os.environ.get("TCAL_CACHE_DIR") or ".cache/tcal")
 
 
 def load_teacher(settings: TeacherSettings, cache_dir, device=None) -> Teacher:
