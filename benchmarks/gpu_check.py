@@ -186,12 +186,14 @@ def check_calibration() -> None:
 def smollm2_pair(ratio: float = 0.5):
     from tcal.retention.uniform import uniform_layers
     from tcal.student.convert import build_student
+    from tcal.student.gdn import use_gdn_kernel
+    from tcal.student.stack import gdn_kernel_for
     from tcal.teachers.load import load_teacher
 
     cfg = compose_cfg()
     teacher, _ = load_teacher(cfg.teacher, cfg.paths.cache_dir)
     student = build_student(teacher, uniform_layers(teacher.config.num_hidden_layers, ratio))
-    return teacher, student
+    return teacher, use_gdn_kernel(student, gdn_kernel_for(str(cfg.trainer.gdn_kernel), True))
 
 
 def distill_module(teacher, student, steps: int):
@@ -539,19 +541,19 @@ def deadline(seconds: float):
 
 def check_stack(choice: str) -> str:
     """The `stack` line, and the kernel the checks use: `choice`, or `torch` where `auto` is refused here (said)."""
-    from tcal.student.gdn import use_gdn_kernel
-    from tcal.student.stack import read_stack
+    from tcal.student.gdn import kernel_path
+    from tcal.student.stack import gdn_kernel_for, read_stack
 
     stack = read_stack()
     facts = dict(device=stack.device_name, capability=".".join(map(str, stack.capability)), torch=stack.torch,
                  triton=stack.triton, fla=stack.fla, tilelang=stack.tilelang, gdn_kernel=choice)
     try:
-        emit("stack", None, kernel_path=use_gdn_kernel(choice, True), **facts)
+        emit("stack", None, kernel_path=kernel_path("cuda", gdn_kernel_for(choice, True)), **facts)
         return choice
     except ConfigError as err:
         if choice != "auto":
             raise
-        emit("stack", None, refused=str(err), kernel_path=use_gdn_kernel("torch", True),
+        emit("stack", None, refused=str(err), kernel_path=kernel_path("cuda", "torch"),
              note="auto is refused on this stack: every check runs with trainer.gdn_kernel=torch", **facts)
         return "torch"
 

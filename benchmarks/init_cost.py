@@ -103,11 +103,11 @@ INIT_MODES_BENCHED = ("phase2", "full", "full_plus")
 def measure_init(cfg) -> dict:
     """Wall time and peak resident memory of one init mode (conversion + calibration, no cache, no evaluation)."""
     from tcal.init import init_student
-    from tcal.pipeline import Run
+    from tcal.run import Run
     from tcal.retention import select_layers
     from tcal.student.convert import build_student
 
-    ctx = Run.prepare(cfg, Path(cfg.paths.output_dir))
+    ctx = Run.build(cfg, run_dir=Path(cfg.paths.output_dir))
     keep_layers = select_layers(cfg.retention, ctx).keep_layers
     before = reset_peak_rss()
     start = time.perf_counter()

@@ -76,7 +76,7 @@ def main() -> None:
         first = args.seeds[0]
         for ratio in keeps:
             settings, search = searches[(first, ratio)]
-            ctx = api.Run.of(teacher, splits, settings)
+            ctx = api.Run.build(settings, ("select",), teacher, splits)
             gains = {int(e["move"].split()[1]): e["gain"] for e in search["path"] if e["move"].startswith("add ")}
             order = sorted((j for j in gains if j not in search["keep"]), key=lambda j: (-gains[j], j))
             ids, labels = probe_sequences(settings.retention, ctx)

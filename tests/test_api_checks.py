@@ -1,6 +1,6 @@
-"""The library is the CLI's equal: each step of `tcal.api` checks its argument types (a TypeError naming the step,
-the argument and what it expected, never an internal AttributeError) and makes `tcal`'s checks of the settings it
-reads, also against the loaded teacher's context (eval.seq_len, RULER lengths, stage and calibration lengths)."""
+"""The library is the CLI's equal: each step of `tcal.api` refuses a wrong argument by the settings' own checks (one
+line naming the key, never an internal AttributeError) and makes `tcal`'s checks of the settings it reads, also
+against the loaded teacher's context (eval.seq_len, RULER lengths, stage and calibration lengths)."""
 
 from __future__ import annotations
 
@@ -33,28 +33,37 @@ def loaded():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda t, s, m: api.load_teacher("tiny_llama"),
-     r"api.load_teacher: settings='tiny_llama' \(a str\); expected TeacherSettings or None"),
-    (lambda t, s, m: api.load_teacher(tiny_teacher(), cache_dir=3),
-     r"api.load_teacher: cache_dir=3 \(a int\); expected str or PathLike or None"),
-    (lambda t, s, m: api.load_data("shakespeare"), r"api.load_data: settings='shakespeare'"),
-    (lambda t, s, m: api.select_layers(t, s, 0.5), r"api.select_layers: retention=0.5 \(a float\); expected "
-                                                  r"RetentionSettings or ExplicitRetentionSettings"),
-    (lambda t, s, m: api.select_layers(t.model, s, RetentionSettings()), r"api.select_layers: teacher=.*expected "
-                                                                         r"Teacher"),
-    (lambda t, s, m: api.build_student(t, 2), r"api.build_student: keep_layers=2 \(a int\); expected list or tuple"),
-    (lambda t, s, m: api.initialize(m, t, s, "full"), r"api.initialize: init='full' \(a str\); expected InitSettings"),
-    (lambda t, s, m: api.initialize(m, t, s, init_settings("naive"), seed="0"), r"api.initialize: seed='0'"),
-    (lambda t, s, m: api.initialize(m, t, s, init_settings("naive"), seed=True), r"api.initialize: seed=True"),
-    (lambda t, s, m: api.distill(m, t, s, tokens="100"), r"api.distill: tokens='100' \(a str\); expected an "
-                                                         r"integer or None"),
-    (lambda t, s, m: api.distill(m, s, t), r"api.distill: teacher=.*expected Teacher"),
-    (lambda t, s, m: api.evaluate(m, t, s, eval={"seq_len": 64}), r"api.evaluate: eval=\{'seq_len': 64\}"),
-    (lambda t, s, m: api.save(m, t.tokenizer, None), r"api.save: folder=None \(a NoneType\); expected str or "
-                                                     r"PathLike"),
-    (lambda t, s, m: api.evaluate(m, t, s, EvalSettings(), wrong=1), r"api.evaluate: got an unexpected keyword"),
+    (lambda t, s, m: api.load_teacher("tiny_llama"), r"^teacher='tiny_llama'; expected TeacherSettings$"),
+    (lambda t, s, m: api.load_data("shakespeare"), r"^data='shakespeare'; expected DataSettings$"),
+    (lambda t, s, m: api.select_layers(t, s, 0.5), r"^retention=0.5; expected PolicySettings$"),
+    (lambda t, s, m: api.select_layers(t.model, s, RetentionSettings()), r"^teacher: a LlamaForCausalLM; expected a "
+                                                                         r"Teacher \(api.load_teacher\)$"),
+    (lambda t, s, m: api.build_student(t, 2), r"^keep_layers=2; expected a list of layer indices$"),
+    (lambda t, s, m: api.initialize(m, t, s, "full"), r"^init='full'; expected InitSettings$"),
+    (lambda t, s, m: api.initialize(m, t, s, init_settings("naive"), seed="0"), r"^seed='0'; expected an integer"),
+    (lambda t, s, m: api.initialize(m, t, s, init_settings("naive"), seed=True), r"^seed=True; expected an integer"),
+    (lambda t, s, m: api.distill(m, t, s, tokens="100"), r"^DistillSettings.max_tokens='100'; expected a positive "
+                                                         r"integer$"),
+    (lambda t, s, m: api.distill(m, s, t), r"^teacher: a Splits; expected a Teacher"),
+    (lambda t, s, m: api.evaluate(m, t, s, eval={"seq_len": 64}), r"^eval=\{'seq_len': 64\}; expected EvalSettings$"),
+    (lambda t, s, m: api.distill(m, t, s, stage=init_settings("naive")),
+     r"^stage=InitSettings\(.*\); expected StageSettings or StageSequenceSettings$"),
 ], ids=lambda value: None)
-def test_a_wrong_argument_type_names_the_step_and_the_argument(call, match, loaded):
+def test_a_wrong_argument_is_refused_by_the_settings_naming_the_key(call, match, loaded):
+    """The API's arguments are the run's settings, checked by their own classes: a wrong one is one line naming it."""
+    with pytest.raises(ConfigError, match=match) as info:
+        call(*loaded)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda t, s, m: api.load_teacher(tiny_teacher(), cache_dir=3), r"expected str, bytes or os.PathLike object, not "
+                                                                    r"int"),
+    (lambda t, s, m: api.save(m, t.tokenizer, None), r"expected str, bytes or os.PathLike object, not NoneType"),
+    (lambda t, s, m: api.evaluate(m, t, s, EvalSettings(), wrong=1), r"evaluate\(\) got an unexpected keyword "
+                                                                     r"argument 'wrong'"),
+], ids=["cache_dir", "folder", "unknown_argument"])
+def test_a_path_or_an_argument_of_no_settings_is_a_type_error(call, match, loaded):
     with pytest.raises(TypeError, match=match):
         call(*loaded)
 

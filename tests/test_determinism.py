@@ -21,7 +21,7 @@ def ctx(tmp_path_factory):
     """The smoke run's context with the calibration cache off: every init is computed, none read back."""
     root = tmp_path_factory.mktemp("determinism")
     cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(root / 'cache')}", "calibration.cache=false")
-    return Run.prepare(cfg, root / "run")
+    return Run.build(cfg, run_dir=root / "run")
 
 
 def initialized(ctx, mode: str, seed: int) -> dict[str, torch.Tensor]:

@@ -179,7 +179,7 @@ STOPS = re.compile(r"^\[([\d-]+ [\d:,]+)\]\[tcal\.cli\.rank\]\[ERROR\] - rank (\
 def test_a_failure_on_one_rank_stops_every_rank_with_the_same_line(tmp_path, case):
     if case == "refusal_on_rank_0":
         message = "eval.seq_len=64: injected refusal on rank 0 only"
-        fault = {"call": "tcal.api:check_loaded", "rank": 0, "raise": "ConfigError", "message": message}
+        fault = {"call": "tcal.run:check_loaded", "rank": 0, "raise": "ConfigError", "message": message}
         args, code = (), 2
     else:
         fault = {"call": "tcal.training.stages:chunked_kd_loss", "rank": 1, "nan": True}

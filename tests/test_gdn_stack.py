@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import repo_cache_dir
 from test_errors import assert_nothing_written
 
 from tcal import api
 from tcal.errors import ConfigError
 from tcal.pipeline import run
+from tcal.run import Run
+from tcal.settings import DataSettings, RunSettings, TrainerSettings, init_settings, tiny_teacher
 from tcal.student import gdn
 from tcal.student.stack import FLA_RULES, Stack, gdn_kernel_for, read_stack, version_tuple
 
@@ -84,21 +87,22 @@ def test_versions_are_read_with_local_and_dev_parts():
 
 @pytest.fixture
 def fake_cuda_stack(monkeypatch):
-    """A GPU as `tcal`'s checks see it (one device with bfloat16) on a refused stack: an H200 with Triton 3.6.0. The
-    chosen kernel is restored after the test."""
+    """A GPU as `tcal`'s checks see it (one device with bfloat16) on a refused stack: an H200 with Triton 3.6.0."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr("tcal.student.stack.read_stack", lambda *a: REFUSED[0][0])
-    monkeypatch.setattr(gdn, "_cuda_kernel", None)
 
-    def no_teacher_load(*args, **kwargs):
+
+@pytest.fixture
+def no_teacher_load(monkeypatch):
+    def refused_load(*args, **kwargs):
         raise AssertionError("the teacher was loaded: work started before the stack was checked")
 
-    monkeypatch.setattr(api, "load_teacher", no_teacher_load)
+    monkeypatch.setattr("tcal.run.load_teacher", refused_load)
 
 
-def test_a_run_on_a_refused_stack_stops_before_any_work(compose_cfg, tmp_path, fake_cuda_stack):
+def test_a_run_on_a_refused_stack_stops_before_any_work(compose_cfg, tmp_path, fake_cuda_stack, no_teacher_load):
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match=r"^trainer.gdn_kernel=auto: NVIDIA H200 .*Triton 3.6.0.*; expected torch "
                                           r">= 2.12.1 .*or trainer.gdn_kernel=torch"):
@@ -110,11 +114,49 @@ def test_a_run_on_a_refused_stack_stops_before_any_work(compose_cfg, tmp_path, f
 def test_gdn_kernel_torch_is_accepted_on_a_refused_stack_and_named_as_the_path(compose_cfg, fake_cuda_stack):
     from tcal.preflight import check_machine
 
-    check_machine(compose_cfg("experiment=smoke", "trainer=gpu", "trainer.gdn_kernel=torch"))
-    assert gdn.kernel_path("cuda") == "torch-chunk" and gdn.kernel_path("cpu") == "torch-chunk"
+    kernel = check_machine(compose_cfg("experiment=smoke", "trainer=gpu", "trainer.gdn_kernel=torch"))
+    assert kernel == "torch" and gdn.kernel_path("cuda", kernel) == gdn.kernel_path("cpu", kernel) == "torch-chunk"
 
 
-def test_the_python_api_on_cuda_decides_auto_at_its_first_call(fake_cuda_stack):
-    """No run chose a kernel: the first CUDA call decides `auto`, with the same refusal."""
+def test_a_layer_outside_any_run_decides_auto_at_its_first_cuda_call(fake_cuda_stack, monkeypatch):
+    """No run chose its kernel: its first multi-token call on CUDA decides `auto`, with the same refusal."""
+    layer = gdn.GatedDeltaNet(hidden_size=32, num_heads=2, head_dim=16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
     with pytest.raises(ConfigError, match=r"^trainer.gdn_kernel=auto: NVIDIA H200"):
-        gdn.kernel_path("cuda")
+        layer(torch.randn(1, 3, 32))
+    assert layer.kernel is None
+
+
+def gdn_kernels(student) -> set:
+    return {module.kernel for module in student.modules() if isinstance(module, gdn.GatedDeltaNet)}
+
+
+@pytest.fixture(scope="module")
+def tiny_api():
+    """A tiny teacher and its documents, loaded through the Python API."""
+    return api.load_teacher(tiny_teacher(), repo_cache_dir()), api.load_data(DataSettings())
+
+
+def test_the_api_runs_the_kernel_its_trainer_names_on_a_refused_stack(tiny_api, fake_cuda_stack):
+    teacher, splits = tiny_api
+    student = api.build_student(teacher, [0, 2])  # `trainer=cpu`: the torch path, no stack to check
+    on_gpu = {"accelerator": "gpu", "precision": "32-true"}
+    with pytest.raises(ConfigError, match=r"^trainer.gdn_kernel=auto: NVIDIA H200 .*Triton 3.6.0"):
+        api.initialize(student, teacher, splits, init_settings("naive"), trainer=TrainerSettings(**on_gpu))
+    api.initialize(student, teacher, splits, init_settings("naive"),
+                   trainer=TrainerSettings(**on_gpu, gdn_kernel="torch"))
+    assert {gdn.kernel_path("cuda", kernel) for kernel in gdn_kernels(student)} == {"torch-chunk"}
+
+
+def test_two_runs_in_one_process_keep_their_own_kernels(tiny_api, fake_cuda_stack, monkeypatch):
+    monkeypatch.setattr("tcal.student.stack.read_stack", lambda *a: ACCEPTED[0])  # a stack fla runs on
+    teacher, splits = tiny_api
+    runs = {choice: Run.build(RunSettings(teacher=teacher.settings, trainer=TrainerSettings(
+        accelerator="gpu", precision="32-true", gdn_kernel=choice)), ("build",), teacher, splits)
+        for choice in ("torch", "auto")}
+    students = {choice: this_run.build_student([0]) for choice, this_run in runs.items()}
+    assert {choice: this_run.gdn_kernel for choice, this_run in runs.items()} == {"torch": "torch", "auto": "fla"}
+    assert {choice: gdn_kernels(student) for choice, student in students.items()} == {"torch": {"torch"},
+                                                                                      "auto": {"fla"}}
+    assert gdn.kernel_path("cuda", runs["torch"].gdn_kernel) == "torch-chunk"
+    assert gdn.kernel_path("cuda", runs["auto"].gdn_kernel) == "fla-triton-chunk"

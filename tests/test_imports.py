@@ -49,8 +49,8 @@ LAYERS = (
     ("context", "evaluate", "student"),
     ("export", "init", "preflight", "training"),
     ("retention",),
-    ("api", "tools"),
-    ("pipeline",),
+    ("run", "tools"),
+    ("api", "pipeline"),
     ("cli",),
 )
 PACKAGE = ROOT / "src" / "tcal"

@@ -142,6 +142,98 @@ def test_the_api_runs_a_plugin_init_mode_and_policy(plugin_env, tmp_path):
                                                                 "record": {"toy_gate_scale": 2.0, "layers": [0, 1]}}
 
 
+MIDDLE_POLICY = '''
+"""`middle`: the one middle layer stays softmax (a toy policy whose settings derive from `PolicySettings` itself)."""
+from dataclasses import dataclass
+
+from tcal.registry import POLICIES
+from tcal.retention import Selection
+from tcal.settings.fields import KEEP, SCORES, declared, setting
+from tcal.settings.retention import PolicySettings
+
+
+@declared
+@dataclass
+class MiddleLayerSettings(PolicySettings):
+    name: str = setting("middle", affects=[SCORES, KEEP])
+
+    def kept(self, num_layers: int) -> int:
+        return 1
+
+    def keep_setting(self) -> str:
+        return "the middle layer"
+
+    def planned_keep(self, num_layers: int) -> list[int]:
+        return [num_layers // 2]
+
+
+@POLICIES.option("middle", MiddleLayerSettings)
+def middle(retention: MiddleLayerSettings, ctx) -> Selection:
+    return Selection(retention.planned_keep(ctx.num_layers))
+'''
+
+FIRST_POLICY = '''
+"""`first`: the round(ratio * L) first layers stay softmax (a toy policy that does not say its keep list)."""
+from dataclasses import dataclass
+
+from tcal.registry import POLICIES
+from tcal.retention import Selection
+from tcal.settings.fields import KEEP, SCORES, declared, setting
+from tcal.settings.retention import RetentionSettings
+
+
+@declared
+@dataclass
+class FirstLayersSettings(RetentionSettings):
+    name: str = setting("first", affects=[SCORES, KEEP])
+
+
+@POLICIES.option("first", FirstLayersSettings)
+def first(retention: FirstLayersSettings, ctx) -> Selection:
+    return Selection(list(range(retention.kept(ctx.num_layers))))
+'''
+
+
+@pytest.fixture(scope="module")
+def policy_env(tmp_path_factory):
+    """A package of the two toy policies above, and the environment that names it."""
+    root = tmp_path_factory.mktemp("policy_plugins")
+    package = root / "toy_policies"
+    for path, text in ((package / "middle.py", MIDDLE_POLICY), (package / "first.py", FIRST_POLICY),
+                       (package / "conf" / "retention" / "middle.yaml", yaml("retention", "middle")),
+                       (package / "conf" / "retention" / "first.yaml", yaml("retention", "first"))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    return {**os.environ, "TCAL_PLUGINS": "toy_policies", "PYTHONPATH": f"{root}{os.pathsep}{REPO / 'src'}",
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TCAL_CACHE_DIR": isolated_cache_dir(root / "cache")}
+
+
+def test_the_api_selects_by_a_policy_whose_settings_derive_from_policy_settings(policy_env, tmp_path):
+    script = textwrap.dedent('''
+        import json
+        from tcal import api
+        from tcal.registry import POLICIES
+        from tcal.settings import tiny_teacher
+        teacher = api.load_teacher(tiny_teacher("llama"))
+        selection = api.select_layers(teacher, api.load_data(), POLICIES["middle"].make_settings())
+        print(json.dumps(selection.keep_layers))
+    ''')
+    done = run([sys.executable, "-c", script], policy_env, tmp_path)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [2]
+
+
+def test_tcal_plan_says_it_cannot_plan_a_policy_without_its_own_planned_keep(policy_env, tmp_path):
+    """`first` inherits uniform's `planned_keep`: the plan says, in one line, that it cannot plan its keep list,
+    and plans the rest with its count of kept layers, not uniform's layers as if they were `first`'s."""
+    done = run([sys.executable, "-m", "tcal.tools.plan", "teacher=tiny_llama", "retention=first",
+                "retention.ratio=0.5", "--json"], policy_env, tmp_path)
+    plan = json.loads(done.stdout.strip().splitlines()[-1])
+    said = "retention=first: FirstLayersSettings does not define planned_keep, so tcal-plan cannot plan its keep list"
+    assert plan["retention"]["keep_layers"] is None and plan["retention"]["kept"] == 2
+    assert plan["retention"]["note"].startswith(said) and plan["per_device_gb"]["calibration"] > 0
+    assert [line for line in done.stderr.splitlines() if "planned_keep" in line] == [plan["retention"]["note"]]
+
+
 def test_a_plugin_package_that_cannot_be_imported_is_named_on_every_ask(monkeypatch):
     from tcal.registry import PLUGINS_ENV, PluginError, Registry
 

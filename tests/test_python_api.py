@@ -43,7 +43,7 @@ def test_the_documented_example_runs_as_written(tmp_path, monkeypatch):
     assert namespace["stages"]["distill"]["tokens_seen"] == 1024
     figures = namespace["results"]["metrics"]["shakespeare"]
     assert math.isfinite(figures["teacher_ppl"]) and math.isfinite(figures["student_ppl"])
-    assert (tmp_path / "outputs" / "my_student" / "config.json").is_file()
+    assert (tmp_path / "outputs" / "my_run" / "student" / "config.json").is_file()
 
 
 def test_run_settings_defaults_are_the_default_config():

@@ -113,7 +113,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_record(setting, kill, status,
     stage = DISTILL if setting == "distill" else ALIGN_DISTILL
     if kill[0] == "evaluate":
         with monkeypatch.context() as patch:
-            patch.setattr("tcal.api.Run.evaluate", lambda *args: (_ for _ in ()).throw(Kill("killed in evaluation")))
+            patch.setattr("tcal.run.Run.evaluate", lambda *args: (_ for _ in ()).throw(Kill("killed in evaluation")))
             with pytest.raises(Kill):
                 run(cfg_of(cache, stage), run_dir)
     else:

@@ -171,7 +171,7 @@ def occurs_in(windows: torch.Tensor, stream: torch.Tensor) -> list[bool]:
 def test_training_batches_never_hold_calibration_or_evaluation_windows(tmp_path):
     cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", "stage=distill",
                   "stage.batch_size=4", "stage.seq_len=16", "stage.max_tokens=4096", "stage.eval_every_tokens=4096")
-    ctx = Run.prepare(cfg, tmp_path / "run")
+    ctx = Run.build(cfg, run_dir=tmp_path / "run")
     (plan,) = ctx.plans
     batches = torch.cat(list(plan.data.train_dataloader()))
     assert batches.shape == (4096 // 16, 16)

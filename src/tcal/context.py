@@ -1,4 +1,4 @@
-"""`RunContext`: what one run's steps share (typed settings and loaded objects); `tcal.api.Run`, whose methods are
+"""`RunContext`: what one run's steps share (typed settings and loaded objects); `tcal.run.Run`, whose methods are
 the steps, extends it."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class RunContext:
     run_dir: Path
     extra_callbacks: list = field(default_factory=list)  # Lightning callbacks added to every stage's Trainer
     ranks: Ranks = field(default_factory=Ranks)
+    gdn_kernel: str | None = None  # fla or torch, the run's (`Run.build`); None: `auto`, decided by each layer on CUDA
 
     @property
     def num_layers(self) -> int:

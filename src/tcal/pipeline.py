@@ -2,7 +2,7 @@
 "One run").
 
 `run(settings, run_dir)`, what the `tcal` entry calls with the settings it converted (`tcal.settings`), is the recipe:
-the steps of one `tcal.api.Run`, whose settings are checked against the machine, the files and the teacher
+the steps of one `tcal.run.Run` (`Run.build`), whose settings are checked against the machine, the files and the teacher
 (`tcal.preflight`) and whose stages are planned, once, before anything is written. Its `Record` takes what each step
 found and rewrites results.json atomically ("status"), and at every curve point (`RecordCallback`), so a crash leaves
 a readable record. With `stage=none` the evaluation is zero-shot. A multi-device run starts its ranks first
@@ -18,15 +18,14 @@ from pathlib import Path
 
 import lightning as L
 
-from tcal.api import Run
 from tcal.evaluate.suite import format_table
 from tcal.runtime.distributed import Ranks
+from tcal.run import Run
 from tcal.runtime.signals import handling
 from tcal.settings import RunSettings
 from tcal.store.fingerprint import weights_digest
 from tcal.store.record import Record, records_failure
 from tcal.store.rerun import holds_folder
-from tcal.student.gdn import kernel_path
 from tcal.tracking import finish, log_figures, make_logger, wandb_identity
 from tcal.training.run import data_record
 
@@ -53,18 +52,18 @@ def run(settings: RunSettings, run_dir: str | Path, resume: bool = False, callba
     begins), initialize, train the stages, evaluate, export and complete the record; returns the record. `resume`
     continues the run in `run_dir` from its last stage checkpoint; `ranks`: this process's place among the run's
     launched processes (`tcal.runtime.distributed.launch`), None for one process."""
-    this_run = Run.prepare(settings, Path(run_dir), resume, ranks)
-    record, device = this_run.record, this_run.device
+    this_run = Run.build(settings, run_dir=Path(run_dir), resume=resume, ranks=ranks)
+    record = this_run.record
     with record.timed("retention"):
         selection = this_run.select()
     with record.timed("convert"):
         student = this_run.build_student(selection.keep_layers)
     wandb = wandb_identity(settings, record.earlier) if settings.logger.name == "wandb" else None
     record.converted(settings.tree(), this_run.num_layers, selection.keep_layers, selection.scores,
-                     kernel_path(device), retention_details=selection.details or None,
+                     this_run.kernel_path, retention_details=selection.details or None,
                      data=data_record(this_run.plans), wandb=wandb, inputs=this_run.inputs or None)
     log.info("keep layers (%s): %s; GDN kernel path: %s", settings.retention.name, selection.keep_layers,
-             kernel_path(device))
+             this_run.kernel_path)
     with record.timed("init"):
         calibration = this_run.initialize(student)
     record.initialized(calibration, weights_digest(student))

@@ -1,21 +1,24 @@
 """What a run needs of this machine, its files, the hub and the teacher, checked once before any work, with a
 `ConfigError` naming the key. The settings' own values are checked when they are built (`tcal.settings`); these
-are the checks a value cannot make alone.
+are the checks a value cannot make alone. Which of them a run makes follows from its steps (`STEP_NEEDS`), so `tcal`
+(every step) and each step of the Python API make them from one table, through `tcal.run.Run.build`:
 
-- `check_machine(settings)`, before the teacher loads: devices and GPUs, the GDN kernel for this machine's GPU stack
-  (chosen here), the cache folder, data and teacher files, the hub, the paper tasks, the teacher's family and, when
-  its config is known without loading it, its layers and context.
-- `check_loaded(ctx)`, once the teacher and the documents are in memory and before anything is written: the real
-  teacher's layers and context (where its config was not known before), and whether each split holds the tokens
-  its windows need.
-
-Each check runs once in a run; a step of the Python API (`tcal.api`) makes the checks of its own settings.
+- `check_steps(settings, steps, on_cuda)`, on every road: the trainer on this machine, the GDN kernel for its GPU
+  stack (chosen here, for this run), the stages' budgets, the paper tasks.
+- `check_machine(settings, steps)`, before `tcal` loads the teacher and documents: the above, then the cache folder,
+  data and teacher files, the hub, the teacher's family and, when its config is known without loading it, its
+  layers and context.
+- `check_loaded(ctx, steps)`, once the teacher and the documents are in memory and before anything is written: the
+  teacher's layers and context (those not checked before), its vocabulary, and whether each split holds the tokens
+  the steps' windows need.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,26 +27,63 @@ from tcal.errors import ConfigError
 from tcal.settings import RunSettings, SettingError
 
 
-def check_machine(settings: RunSettings) -> None:
-    """Everything checkable before the teacher loads."""
+def calibration_length(settings: RunSettings) -> list[tuple[str, int]]:
+    return [("calibration.seq_len", settings.calibration.seq_len)] if settings.calibrates() else []
+
+
+@dataclass(frozen=True)
+class StepNeeds:
+    """What one step of a run reads, and so what is checked before the run starts."""
+
+    splits: tuple[str, ...] = ()  # the windows it cuts from the splits (`check_split_tokens`): init, retention, eval
+    lengths: Callable[[RunSettings], list] = lambda settings: []  # (key, length) of what it feeds the teacher
+    selects: bool = False  # it chooses the kept layers: the keep list fits the teacher, recall's probes
+    trains: bool = False  # it trains the stages: their budgets
+    evaluates: bool = False  # it evaluates: the paper tasks, RULER's and the harness's room
+
+
+STEP_NEEDS = {
+    "select": StepNeeds(("retention",), lambda s: [*s.retention.teacher_lengths(), *(
+        calibration_length(s) if s.retention.initializes_layers() else [])], selects=True),
+    "build": StepNeeds(),
+    "initialize": StepNeeds(("init",), calibration_length),
+    "train": StepNeeds(("eval",), lambda s: [*((f"{key}.seq_len", stage.seq_len) for key, stage in s.stage.stages()),
+                                             *s.eval.lengths()], trains=True),
+    "evaluate": StepNeeds(("eval",), lambda s: s.eval.lengths(), evaluates=True),
+    "save": StepNeeds(),
+}
+STEPS = tuple(STEP_NEEDS)  # `tcal`'s run: every step, in order
+
+
+def check_steps(settings: RunSettings, steps=STEPS, on_cuda: bool = False) -> str:
+    """What the steps need of this machine, on every road; returns the GDN kernel chosen for the run (`on_cuda`:
+    its teacher is already on a GPU)."""
     check_trainer(settings.trainer)
-    choose_gdn_kernel(settings.trainer)
-    check_budgets(settings)
-    check_teacher(settings.teacher)
-    check_data_files(settings)
-    check_resources(settings)
-    check_teacher_shape(settings, *configured_shape(settings.teacher))
-    if settings.eval.harness.name == "paper":
+    kernel = choose_gdn_kernel(settings.trainer, on_cuda)
+    if any(STEP_NEEDS[step].trains for step in steps):
+        check_budgets(settings)
+    if any(STEP_NEEDS[step].evaluates for step in steps) and settings.eval.harness.name == "paper":
         from tcal.evaluate.local_tasks import check_paper_tasks_available
 
         check_paper_tasks_available()
+    return kernel
+
+
+def check_machine(settings: RunSettings, steps=STEPS) -> str:
+    """Everything checkable before `tcal` loads the teacher and documents; returns the GDN kernel chosen."""
+    kernel = check_steps(settings, steps)
+    check_teacher(settings.teacher)
+    check_data_files(settings)
+    check_resources(settings)
+    check_teacher_shape(settings, steps, *configured_shape(settings.teacher))
     check_cache_folder(settings.paths.cache_dir)  # last: it makes the cache folder
+    return kernel
 
 
 def check_plan(settings: RunSettings) -> None:
     """What `tcal-plan` needs of a config, none of it about this machine (a plan is made for another one)."""
     check_family(settings.teacher)
-    check_teacher_shape(settings, *configured_shape(settings.teacher))
+    check_teacher_shape(settings, STEPS, *configured_shape(settings.teacher))
 
 
 # ------------------------------------------------------------------------------------------------ the machine
@@ -62,14 +102,14 @@ def check_trainer(trainer) -> None:
                           f"32-true")
 
 
-def choose_gdn_kernel(trainer) -> str:
-    """The delta rule's kernel for this process (`trainer.gdn_kernel`), chosen against the machine's torch, Triton,
-    fla and GPU: a stack on which fla computes wrong or refuses is refused now, in one line naming the fix, not at
-    the first backward after calibration (docs/gpu.md, "The stack check")."""
-    from tcal.student.gdn import use_gdn_kernel
+def choose_gdn_kernel(trainer, on_cuda: bool = False) -> str:
+    """The delta rule's kernel for a run (`trainer.gdn_kernel`: `fla` or `torch`), chosen against the machine's torch,
+    Triton, fla and GPU: a stack on which fla computes wrong or refuses is refused now, in one line naming the fix,
+    not at the first backward after calibration (docs/gpu.md, "The stack check")."""
+    from tcal.student.stack import gdn_kernel_for
 
-    on_cuda = trainer.wants_gpu or (str(trainer.accelerator) == "auto" and torch.cuda.is_available())
-    return use_gdn_kernel(str(trainer.gdn_kernel), on_cuda)
+    on_cuda = on_cuda or trainer.wants_gpu or (str(trainer.accelerator) == "auto" and torch.cuda.is_available())
+    return gdn_kernel_for(str(trainer.gdn_kernel), on_cuda)
 
 
 MAX_STAGE_SAMPLES = 2**30
@@ -206,12 +246,14 @@ def check_fit(lengths: list[tuple[str, int]], context: int | None) -> None:
             raise ConfigError(f"{key}={value} is beyond the teacher's context of {context} tokens")
 
 
-def check_teacher_shape(settings: RunSettings, num_layers: int | None, context: int | None) -> None:
-    """Lengths within the teacher's context, and a keep list that fits its layers (each when known)."""
-    if num_layers is not None:
+def check_teacher_shape(settings: RunSettings, steps, num_layers: int | None, context: int | None) -> None:
+    """The lengths the steps feed the teacher within its context, and a keep list that fits its layers (each when
+    known)."""
+    if num_layers is not None and any(STEP_NEEDS[step].selects for step in steps):
         check_keep_list(settings, num_layers)
     if context is not None:
-        check_fit(settings.teacher_lengths(), context)
+        lengths = [length for step in steps for length in STEP_NEEDS[step].lengths(settings)]
+        check_fit(list(dict.fromkeys(lengths)), context)
 
 
 def check_keep_list(settings: RunSettings, num_layers: int) -> None:
@@ -230,18 +272,20 @@ def check_keep_list(settings: RunSettings, num_layers: int) -> None:
 # ------------------------------------------------------------------------------------------------ loaded
 
 
-def check_loaded(ctx) -> None:
-    """What needs the loaded teacher and documents (`ctx`: a `RunContext`); still before anything is written. Of
-    the teacher's layers and context, those `check_machine` did not know (or knew otherwise) are checked."""
+def check_loaded(ctx, steps=STEPS, checked: tuple = (None, None)) -> None:
+    """What the steps need of the loaded teacher and documents (`ctx`: a `RunContext`); still before anything is
+    written. Of the teacher's layers and context, those not `checked` before (or checked otherwise) are checked."""
     config = ctx.teacher.config
     loaded = (config.num_hidden_layers, getattr(config, "max_position_embeddings", None))
-    checked = configured_shape(ctx.settings.teacher)
-    check_teacher_shape(ctx.settings, *(None if have == known else have for have, known in zip(loaded, checked)))
-    check_vocabulary(ctx)
-    check_split_tokens(ctx)
-    check_ruler_room(ctx)
-    check_harness_room(ctx)
-    check_recall_room(ctx)
+    check_teacher_shape(ctx.settings, steps, *(None if have == known else have for have, known in zip(loaded, checked)))
+    if ctx.tokenizer is not None:  # a bare model (`api.build_student`) has none
+        check_vocabulary(ctx)
+    check_split_tokens(ctx, tuple(split for step in steps for split in STEP_NEEDS[step].splits))
+    if any(STEP_NEEDS[step].evaluates for step in steps):
+        check_ruler_room(ctx)
+        check_harness_room(ctx)
+    if any(STEP_NEEDS[step].selects for step in steps):
+        check_recall_room(ctx)
 
 
 def check_vocabulary(ctx) -> None:
@@ -304,13 +348,14 @@ def check_ruler_room(ctx, ruler=None) -> None:
                                   f"{str(err).removeprefix(f'{task} at length {length}: ')}; {fix}") from None
 
 
-def check_split_tokens(ctx, steps: tuple[str, ...] = ("init", "retention", "eval")) -> None:
+def check_split_tokens(ctx, splits: tuple[str, ...] = ("init", "retention", "eval")) -> None:
     """Each split holds the tokens its windows need: calibration batch (and its held-out check windows),
-    scoring windows, evaluation windows per eval set (a short eval file is named). `steps`: those of the run's
-    steps to check (an API step checks its own)."""
+    scoring windows, evaluation windows per eval set (a short eval file is named). `splits`: the windows the run's
+    steps read (`StepNeeds.splits`); a policy that scores initialized layers reads the init's too."""
     from tcal.data.documents import eval_sets, token_stream
 
     settings = ctx.settings
+    steps = (*splits, "init") if "retention" in splits and settings.retention.initializes_layers() else splits
     calibration_needs = settings.init.split_needs(settings.calibration) if "init" in steps else []
     if "retention" in steps and settings.retention.kept(ctx.num_layers) < ctx.num_layers:
         calibration_needs += settings.retention.split_needs()

@@ -122,8 +122,10 @@ def run_in(settings: RunSettings, run_dir: Path, ranks=None) -> None:
     from tcal.preflight import check_resources, check_trainer
     from tcal.runtime.distributed import launch, starts_ranks
     from tcal.store.rerun import check_not_held, check_student_saved
-    check_trainer(settings.trainer)  # before any rank starts: `trainer=gpu` on a machine without CUDA is one line
-    check_resources(settings)  # nor more CPU ranks than CPUs
+    # Deliberately again in each rank's `Run.build`: here before any rank starts (`trainer=gpu` on a machine without
+    # CUDA, more CPU ranks than CPUs: one line, not one per rank), there for ranks started from outside (SLURM)
+    check_trainer(settings.trainer)
+    check_resources(settings)
     starts = ranks is None and starts_ranks(settings.trainer)
     if not starts:
         ranks = ranks or launch(settings.trainer)

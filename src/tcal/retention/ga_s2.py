@@ -24,6 +24,7 @@ from tcal.runtime.progress import progress
 from tcal.settings.fields import INIT
 from tcal.settings.retention import GaS2RetentionSettings, num_kept
 from tcal.student.convert import build_student, naive_gdn
+from tcal.student.gdn import use_gdn_kernel
 from tcal.student.hybrid import LINEAR, HybridForCausalLM, teacher_layer_types
 from tcal.teachers import adapter_for
 
@@ -34,8 +35,8 @@ def initialized_gdns(ctx) -> dict[int, torch.nn.Module]:
     """Every layer's naive GDN (the same as in any student of this run), initialized by the run's init mode."""
     teacher, init = ctx.teacher, ctx.settings.init
     device = next(teacher.parameters()).device
-    gdns = {i: naive_gdn(teacher, i, init.gqa_expansion, int(ctx.settings.seed)).to(device)
-            for i in range(ctx.num_layers)}
+    gdns = {i: use_gdn_kernel(naive_gdn(teacher, i, init.gqa_expansion, int(ctx.settings.seed)).to(device),
+                              ctx.gdn_kernel) for i in range(ctx.num_layers)}
     apply_init(gdns, init, ctx)
     for gdn in gdns.values():
         gdn.eval()

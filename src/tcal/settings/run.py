@@ -4,8 +4,10 @@ and the checks that involve more than one group (keys named from the run's root)
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from tcal.settings.data import DataSettings
 from tcal.settings.evaluation import EvalSettings
@@ -17,13 +19,14 @@ from tcal.settings.fields import (
     Key,
     SettingError,
     Settings,
+    bad,
     declared,
     seed_value,
     setting,
 )
-from tcal.settings.init import CalibratedInitSettings, CalibrationSettings
-from tcal.settings.retention import MIN_PROBE_LEN, RetentionSettings
-from tcal.settings.stage import StageSettings
+from tcal.settings.init import CalibratedInitSettings, CalibrationSettings, InitSettings
+from tcal.settings.retention import MIN_PROBE_LEN, PolicySettings, RetentionSettings
+from tcal.settings.stage import StageSequenceSettings, StageSettings
 from tcal.settings.teacher import TeacherSettings, default_teacher
 from tcal.settings.trainer import LoggerSettings, PathsSettings, TrainerSettings
 
@@ -44,10 +47,10 @@ class RunSettings(Settings):
 
     teacher: TeacherSettings = setting(affects=EVERYTHING, factory=default_teacher)
     data: DataSettings = setting(affects=EVERYTHING, factory=DataSettings)
-    retention: Any = setting(affects=EVERYTHING, factory=RetentionSettings)
-    init: Any = setting(affects=EVERYTHING, factory=CalibratedInitSettings)
+    retention: PolicySettings = setting(affects=EVERYTHING, factory=RetentionSettings)
+    init: InitSettings = setting(affects=EVERYTHING, factory=CalibratedInitSettings)
     calibration: CalibrationSettings = setting(affects=EVERYTHING, factory=CalibrationSettings)
-    stage: Any = setting(affects=EVERYTHING, factory=StageSettings)
+    stage: StageSettings | StageSequenceSettings = setting(affects=EVERYTHING, factory=StageSettings)
     eval: EvalSettings = setting(affects=EVERYTHING, factory=EvalSettings)
     trainer: TrainerSettings = setting(affects=EVERYTHING, factory=TrainerSettings)
     logger: LoggerSettings = setting(affects=NOTHING, factory=LoggerSettings)
@@ -59,6 +62,9 @@ class RunSettings(Settings):
     resume: Optional[str] = setting(None, affects=NOTHING)
 
     def check(self) -> None:
+        for group, kind in group_types().items():  # a group of another class (the Python API's arguments)
+            if not isinstance(getattr(self, group), kind):
+                raise bad(group, getattr(self, group), " or ".join(k.__name__ for k in typing.get_args(kind) or [kind]))
         self.init.check_with(self.calibration)
         if self.data.retrieval_mix > 0:
             for key, stage in self.stage.stages():
@@ -83,13 +89,9 @@ class RunSettings(Settings):
         """Whether the init reads the calibration split."""
         return self.init.calibrates()
 
-    def teacher_lengths(self) -> list[tuple[str, int]]:
-        """(key, length) of every sequence the run feeds the teacher."""
-        lengths = [("eval.seq_len", self.eval.seq_len)]
-        if self.calibrates():
-            lengths.append(("calibration.seq_len", self.calibration.seq_len))
-        lengths += self.retention.teacher_lengths()
-        lengths += [(f"{key}.seq_len", stage.seq_len) for key, stage in self.stage.stages()]
-        if self.eval.ruler.name != "none":
-            lengths.append(("eval.ruler.lengths", max(self.eval.ruler.lengths)))
-        return lengths
+
+@functools.cache
+def group_types() -> dict[str, type]:
+    """Each group's declared class (a plugin's option derives from it)."""
+    hints = typing.get_type_hints(RunSettings)
+    return {group: hints[group] for group in GROUPS}

@@ -24,36 +24,26 @@ from tcal.student.stack import gdn_kernel_for
 log = logging.getLogger(__name__)
 
 _announced: set[tuple[str, str]] = set()
-_traced_kernel = None  # a stand-in for the chunked kernel while `traced_kernel` is on (tcal-plan)
-_cuda_kernel: str | None = None  # `fla` or `torch` for this process's CUDA calls; None: `auto`, decided at first use
+_traced_kernels: list = []  # the stand-ins for the chunked kernel while `traced_kernel` is on (tcal-plan), last first
 
 
-def use_gdn_kernel(choice: str, on_cuda: bool) -> str:
-    """Choose the kernel of this process's multi-token delta rule (`trainer.gdn_kernel`: auto, fla, torch) for a run
-    on CUDA (`on_cuda`) or not. A stack on which fla computes wrong or refuses is a one-line ConfigError here, before
-    any work (`tcal.student.stack.gdn_kernel_for`). Returns the name of the kernel path the run uses."""
-    global _cuda_kernel
-    kernel = gdn_kernel_for(choice, on_cuda)
-    if on_cuda:
-        _cuda_kernel = kernel
-    return kernel_path("cuda" if on_cuda else "cpu")
+def kernel_path(device: torch.device | str, kernel: str | None) -> str:
+    """Name of the delta-rule implementation a `kernel` (`fla`, `torch`) runs on `device` (printed once per device,
+    recorded as `kernel_path`)."""
+    return "fla-triton-chunk" if torch.device(device).type == "cuda" and kernel == "fla" else "torch-chunk"
 
 
-def _cuda_kernel_chosen() -> str:
-    global _cuda_kernel
-    if _cuda_kernel is None:  # no run chose (the Python API on CUDA): `auto`, with its refusal
-        _cuda_kernel = gdn_kernel_for("auto", True)
-    return _cuda_kernel
+def use_gdn_kernel(model: torch.nn.Module, kernel: str) -> torch.nn.Module:
+    """Every GDN layer of `model` (a student, or one layer) runs `kernel` (`fla` or `torch`: its run's choice,
+    `tcal.run.Run.gdn_kernel`) from now on; returns `model`."""
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNet):
+            module.kernel = kernel
+    return model
 
 
-def kernel_path(device: torch.device | str) -> str:
-    """Name of the delta-rule implementation used on `device` (printed once per run, recorded as `kernel_path`)."""
-    cuda = torch.device(device).type == "cuda"
-    return "fla-triton-chunk" if cuda and _cuda_kernel_chosen() == "fla" else "torch-chunk"
-
-
-def _announce(device: torch.device) -> None:
-    path = kernel_path(device)
+def _announce(device: torch.device, kernel: str | None) -> None:
+    path = kernel_path(device, kernel)
     if (device.type, path) not in _announced:
         _announced.add((device.type, path))
         log.info("GatedDeltaNet kernel path on %s: %s", device, path)
@@ -74,26 +64,27 @@ def traced_kernel(kernel):
     """Within the block, every multi-token call of `gated_delta_rule` runs `kernel(q, k, v, g, beta, initial_state,
     output_final_state)` instead: how `tcal-plan` traces, on tensors of the meta device, what fla's CUDA kernel keeps
     for backward. One process-wide switch, for planning only."""
-    global _traced_kernel
-    before, _traced_kernel = _traced_kernel, kernel
+    _traced_kernels.append(kernel)
     try:
         yield
     finally:
-        _traced_kernel = before
+        _traced_kernels.pop()
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, update_state: bool = False):
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, update_state: bool = False,
+                     kernel: str | None = None):
     """o_t = S_t q_t / sqrt(K), S_t = exp(g_t)(S_{t-1} - beta_t S_{t-1} k_t k_t^T) + beta_t v_t k_t^T.
 
     q, k: [B, T, H, K] (already l2-normalized); v: [B, T, H, V]; g (log decay), beta: [B, T, H].
     The state is [B, H, K, V] in float32 on every path. Returns (o [B, T, H, V] float32, state or None).
     `update_state`: a one-token step writes its final state into `initial_state` (a contiguous float32 tensor
-    outside autograd, e.g. the cache's) and returns that tensor. Several tokens run fla's kernel on CUDA (when
-    chosen), the traced stand-in while `traced_kernel` is on, else torch (`gdn_torch.gated_delta_rule_torch`).
+    outside autograd, e.g. the cache's) and returns that tensor. Several tokens run fla's kernel on CUDA when
+    `kernel` is `fla` (None, from a caller outside a run: `trainer.gdn_kernel=auto`'s choice for this stack, with its
+    refusal), the traced stand-in while `traced_kernel` is on, else torch (`gdn_torch.gated_delta_rule_torch`).
     """
-    if q.shape[1] > 1 and _traced_kernel is not None:
-        return _traced_kernel(q, k, v, g, beta, initial_state, output_final_state)
-    if q.shape[1] > 1 and q.is_cuda and _cuda_kernel_chosen() == "fla":
+    if q.shape[1] > 1 and _traced_kernels:
+        return _traced_kernels[-1](q, k, v, g, beta, initial_state, output_final_state)
+    if q.shape[1] > 1 and q.is_cuda and (kernel or gdn_kernel_for("auto", True)) == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         q, k, v, beta = kernel_inputs(q, k, v, beta)
@@ -113,11 +104,16 @@ class GatedDeltaNet(gdn_torch.GatedDeltaNet):
     # Training only: keep just the input for backward and recompute the mixer there (about 170 MB less per layer at
     # 4 x 512 tokens, for about one more mixer forward). Set by the training stages.
     checkpoint_training = False
+    # `fla` or `torch`, set by the run that uses the layer (`use_gdn_kernel`); None: `trainer.gdn_kernel=auto`,
+    # decided for this layer at its first multi-token call on CUDA (a layer outside any run)
+    kernel: str | None = None
 
     def delta_rule(self, q, k, v, g, beta, initial_state=None, output_final_state=False, update_state=False):
-        """`gated_delta_rule`, its kernel path announced once per device."""
-        _announce(q.device)
-        return gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state, update_state)
+        """`gated_delta_rule` with this layer's kernel, its path announced once per device."""
+        if self.kernel is None and q.is_cuda and q.shape[1] > 1:
+            self.kernel = gdn_kernel_for("auto", True)
+        _announce(q.device, self.kernel)
+        return gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state, update_state, self.kernel)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, cache=None,
                 linear_attention_mask: torch.Tensor | None = None, **kwargs):

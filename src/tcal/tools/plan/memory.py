@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from tcal.settings.stage import StageSequenceSettings
 from tcal.tools.plan.trace import LayerTrace, trace_alignment, trace_decoder
+
+log = logging.getLogger(__name__)
 
 GB = 2**30
 KINDS = tuple(next(f for f in fields(StageSequenceSettings) if f.name == "sequence").default_factory())  # align, distill
@@ -157,14 +160,27 @@ def build_model(settings, keep_layers: list[int]) -> Model:
     return Model(config, parameter_count(teacher), student, parameter_count(student), keep_layers, gdn, teacher)
 
 
+def planned_keep(retention, num_layers: int) -> list[int] | None:
+    """The policy's keep list when it is known before the teacher is read and the policy's own settings class says
+    it (`PolicySettings.planned_keep`): a class that inherits another policy's keep list (a plugin deriving from
+    `RetentionSettings` without its own) cannot be planned, None."""
+    keep = retention.planned_keep(num_layers)
+    return keep if "planned_keep" in vars(type(retention)) else None
+
+
 def retention_plan(settings, num_layers: int) -> dict:
-    """The kept layers: computed for `uniform` and `explicit`; for scored policies only their count is known
-    before the real teacher is scored (the plan counts them at uniform positions: every layer has the same size)."""
+    """The kept layers: computed for `uniform` and `explicit`; for scored policies (and a policy that does not say
+    its keep list) only their count is known before the real teacher is read (the plan counts them at uniform
+    positions: every layer has the same size)."""
     ret = settings.retention
-    keep = ret.planned_keep(num_layers)
+    keep = planned_keep(ret, num_layers)
     plan = {"policy": ret.name, "setting": ret.keep_setting(), "kept": ret.kept(num_layers), "keep_layers": keep,
             "scored": keep is None}
-    if keep is None:
+    if keep is None and ret.planned_keep(num_layers) is not None:
+        plan["note"] = (f"retention={ret.name}: {type(ret).__name__} does not define planned_keep, so tcal-plan "
+                        f"cannot plan its keep list; its {plan['kept']} kept layers are planned at uniform positions")
+        log.warning("%s", plan["note"])
+    elif keep is None:
         plan["note"] = f"{ret.name} chooses the {plan['kept']} kept layers by scoring the real teacher"
     return plan
 
@@ -418,8 +434,8 @@ def calibration_memory(settings, model: Model, device_type: str, world: int = 1)
                                    "host_gb": gb(host)})
     memory.notes.append(f"activations: the larger of the teacher's statistics forward and Phase 2 of the {fitted} "
                         f"layer(s) fitted together")
-    if settings.retention.planned_keep(model.teacher_config.num_hidden_layers) is None:
-        memory.notes.append(f"retention={settings.retention.name} first scores the layers on the real teacher (not "
+    if planned_keep(settings.retention, model.teacher_config.num_hidden_layers) is None:
+        memory.notes.append(f"retention={settings.retention.name} chooses its layers on the real teacher first (not "
                             f"planned)")
     return memory
 
