@@ -35,7 +35,14 @@ class ExportFormat:
     """One format. Each step has the default of a checkpoint transformers loads with tcal imported; a format
     overrides what differs. `tcal.export.write.export` calls, in order: `check` (before any work), `write` (into a
     temporary folder), `check_written` (the parity check, and record entries), and, when parity passed,
-    `after_parity` (more record entries, or ParityFailed)."""
+    `after_parity` (more record entries, or ParityFailed). `options` names what `configured` takes from the
+    command line (`--outtype` for gguf); most formats take none."""
+
+    options: tuple[str, ...] = ()
+
+    def configured(self, **options):
+        """This format with the options `tcal-export` was given for it (only names in `options` reach it)."""
+        return self
 
     def check(self, config) -> None:
         """Raise ExportRefused when the student of `config` (its `HybridConfig`) cannot be held exactly."""
