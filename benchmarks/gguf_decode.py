@@ -96,7 +96,8 @@ def bench_gguf(out: Path, contexts=GGUF_CONTEXTS, decode_tokens: int = GGUF_DECO
     write_gguf(build_student(teacher, keep), None, files["student"], outtype)
     lines = []
     for context in contexts:
-        t, s = (engine_figures(files[role], [context], decode_tokens, threads)[context] for role in ("teacher", "student"))
+        t, s = (engine_figures(files[role], [context], decode_tokens, threads)[context]
+                for role in ("teacher", "student"))
         lines.append(emit(
             f"gguf_llama_cpp_T{context}", engine=f"llama-cpp-python {t['llama_cpp_python']}", outtype=outtype,
             threads=threads, keep=keep, decode_tokens=decode_tokens,

@@ -191,8 +191,9 @@ def test_bench_gguf_writes_teacher_and_student_and_prints_a_line_per_context(tmp
     def engine(model, contexts, decode_tokens, threads):
         seen.append((model.name, tuple(contexts), threads))
         student = model.name.startswith("student")
-        return {c: {"prefill_s": 1.0, "decode_s_per_token": 0.01 if student else 0.03, "kv_mib": 1.0 if student else 4.0,
-                    "recurrent_mib": 0.5 if student else 0.0, "llama_cpp_python": "0.3.36"} for c in contexts}
+        return {c: {"prefill_s": 1.0, "decode_s_per_token": 0.01 if student else 0.03,
+                    "kv_mib": 1.0 if student else 4.0, "recurrent_mib": 0.5 if student else 0.0,
+                    "llama_cpp_python": "0.3.36"} for c in contexts}
 
     monkeypatch.setattr(gguf_decode, "engine_figures", engine)
     lines = gguf_decode.bench_gguf(tmp_path, contexts=(64, 128), decode_tokens=4, threads=2, outtype="f16")

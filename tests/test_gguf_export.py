@@ -154,3 +154,34 @@ def test_a_bad_outtype_or_an_outtype_for_another_format_is_one_line(qwen3, tmp_p
         err = capsys.readouterr().err.strip().splitlines()
         assert exited.value.code == 2 and len(err) == 1 and named in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def qwen_tokenizer():
+    """A tiny byte-level BPE as the Qwen3 family's tokenizer class: 256 byte tokens, 3 merges, one special token."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: index for index, char in enumerate(bytes_to_unicode().values())}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+    for first, second in merges:
+        vocab[first + second] = len(vocab)
+    return Qwen2Tokenizer(vocab=vocab, merges=merges, eos_token="<|endoftext|>", unk_token=None, bos_token=None,
+                          pad_token="<|endoftext|>")
+
+
+def test_a_qwen_tokenizer_is_written_whole_as_llama_cpp_s_gpt2_model(tmp_path):
+    tokenizer = qwen_tokenizer()
+    vocab_size = 272  # the model's rows beyond the tokenizer's 260 ids are padding
+    student = build_student(make_teacher("qwen3", rms_norm_eps=EPS, head_dim=HEAD_DIM, vocab_size=vocab_size), [1, 3])
+    folder = export_student(student, tokenizer, tmp_path / "student")
+    record = export(folder, tmp_path / "g", "gguf", options={"outtype": "f32"})
+    fields = reader(tmp_path / "g").fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2" and fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    assert len(tokens) == vocab_size and tokens[:eos + 1] == tokenizer.convert_ids_to_tokens(list(range(eos + 1)))
+    assert types[eos] == 3 and types[0] == 1 and tokens[eos + 1] == f"[PAD{eos + 1}]" and types[eos + 1] == 5
+    assert fields["tokenizer.ggml.merges"].contents() == ["Ġ t", "h e", "Ġt he"]
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == eos
+    assert record["gguf"]["tokenizer"] == {"model": "gpt2", "pre": "qwen2", "tokens": vocab_size, "merges": 3}

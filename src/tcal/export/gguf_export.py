@@ -217,7 +217,6 @@ def write_gguf(student, tokenizer, path: Path, outtype: str) -> dict:
     import gguf
 
     config = student.config
-    teacher = config.teacher_config
     exported = qwen3_5_config(config)
     qtype, file_type = outtypes()[outtype]
     layers = exported.num_hidden_layers
@@ -245,9 +244,6 @@ def write_gguf(student, tokenizer, path: Path, outtype: str) -> dict:
     writer.add_ssm_time_step_rank(exported.linear_num_value_heads)
     writer.add_ssm_inner_size(exported.linear_value_head_dim * exported.linear_num_value_heads)
     writer.add_array(RECURRENT_LAYERS_KEY, recurrent)
-    for key, token in (("bos", teacher.bos_token_id), ("eos", teacher.eos_token_id), ("pad", teacher.pad_token_id)):
-        if token is not None and tokenizer is not None:
-            getattr(writer, f"add_{key}_token_id")(int(token))
     tokenizer_record = write_tokenizer(writer, tokenizer, exported.vocab_size)
     name_map = gguf_name_map(layers)
     types = write_tensors(writer, ((gguf_name(name_map, hf_name), to_llama_cpp(hf_name, tensor))
