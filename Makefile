@@ -64,8 +64,9 @@ serve-check: install $(SERVE_STAMP) $(HF_STAMP)
 		tests/test_serve.py; $(NO_TESTS_OK)
 
 # `make gguf-check`: the `gguf` tests: llama.cpp loads tcal's GGUF exports (docs/serving.md). llama-cpp-python is
-# published as a source package only, so its venv builds it (about 12 minutes on 2 cores); pip's wheel cache keeps the
-# wheel, so a second venv installs it in seconds. The venv holds llama-cpp-python alone: the tests run it by path.
+# published as a source package only, so its venv builds it (26.5 minutes on this repository's 2 shared cores, on
+# 2026-12-05); pip's wheel cache keeps the wheel, so a second venv installs in 39 s. The venv holds llama-cpp-python
+# alone: the tests run its scripts by path.
 GGUF_VENV ?= .venv-gguf
 GGUF_STAMP := $(GGUF_VENV)/.installed
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36

@@ -4,6 +4,8 @@ it): for each context, a fresh context of that many cells evaluates seeded rando
 token. Memory: the sizes llama.cpp's own load log gives its KV cache and its recurrent state for that context.
 
 Request on stdin: {"model", "contexts", "decode_tokens", "threads", "batch"}; one JSON line per context on stdout.
+llama.cpp's extra buffer types are off for both models, as in tcal's own check (tcal/export/llama_cpp_run.py says
+why), whose log hook this script shares.
 """
 
 import ctypes
@@ -12,18 +14,15 @@ import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import llama_cpp
 from llama_cpp import Llama
 
-LOG: list[str] = []
-
-
-@llama_cpp.llama_log_callback
-def keep_log(level, text, user_data):
-    LOG.append(text.decode("utf-8", errors="replace"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src" / "tcal" / "export"))
+from llama_cpp_run import LOG, keep_log, without_extra_buffer_types  # noqa: E402  (a script beside tcal, not tcal)
 
 
 def mib(pattern: str, log: str) -> float:
@@ -34,6 +33,7 @@ def mib(pattern: str, log: str) -> float:
 def main() -> None:
     request = json.loads(sys.stdin.read())
     llama_cpp.llama_log_set(keep_log, ctypes.c_void_p(0))
+    without_extra_buffer_types()
     generator = np.random.default_rng(0)
     for context in request["contexts"]:
         LOG.clear()

@@ -7,6 +7,8 @@ llama-cpp-python from the index's source package and sets TCAL_GGUF_VENV). llama
 - The same student in q8_0: the logit difference and greedy agreement are reported (printed and in the record).
 - A non-periodic keep list (attention at 1 and 4 of 6) loads with KV cache on layers 1 and 4 only, recurrent state
   on the others, and passes the f32 check.
+- A convention the read-back check cannot see (written and read back the same wrong way) fails llama.cpp's check,
+  and nothing is written.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from pathlib import Path
 import pytest
 from conftest import make_teacher
 
+from tcal.export import gguf_export
 from tcal.export.gguf_export import LLAMA_CPP_TOLERANCE
+from tcal.export.refusal import ParityFailed
 from tcal.export.write import export
 from tcal.student.convert import build_student
 from tcal.student.export import export_student
@@ -67,3 +71,12 @@ def test_a_non_periodic_keep_list_holds_kv_cache_on_the_kept_layers_only(tmp_pat
     check = record["llama_cpp_check"]
     assert check["kv_layers"] == [1, 4] and check["recurrent_layers"] == [0, 2, 3, 5]
     assert check["passed"], check["summary"]
+
+
+def test_norms_left_zero_centred_fail_llama_cpp_s_check(periodic, tmp_path, monkeypatch):
+    """Qwen3.5's zero-centred norms kept as they are, in the file and in reading it back: the read-back passes (it is
+    the writer's own convention), llama.cpp (whose norms are plain) does not."""
+    monkeypatch.setattr(gguf_export, "is_centred_norm", lambda name: False)
+    with pytest.raises(ParityFailed, match="llama.cpp does not reproduce transformers"):
+        export(periodic, tmp_path / "broken", "gguf", serve_python=GGUF_PYTHON, options={"outtype": "f32"})
+    assert not (tmp_path / "broken").exists()

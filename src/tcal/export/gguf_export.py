@@ -391,7 +391,7 @@ def transformers_logits(model, prompt: list[int], continuation: list[int]) -> tu
     out = model(torch.tensor([prompt]), use_cache=True)
     cache, steps = out.past_key_values, []
     for token in continuation:
-        step = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        step = model(torch.tensor([[token]]), cache=cache, use_cache=True)
         cache = step.past_key_values
         steps.append(step.logits[0, -1].float())
     return out.logits[0].float(), torch.stack(steps)
@@ -425,6 +425,7 @@ def llama_cpp_check(path: Path, student, prompts: list[list[int]], python: Path)
             "greedy_steps_agreeing": agreed, "greedy_steps": steps, "greedy_identical": identical,
             "prompts": len(prompts), "tolerance": LLAMA_CPP_TOLERANCE, "passed": passed,
             "kv_layers": answer["kv_layers"], "recurrent_layers": answer["recurrent_layers"],
+            "extra_buffer_types": answer["extra_buffer_types"],
             "llama_cpp_python": answer["version"], "summary": summary}
 
 

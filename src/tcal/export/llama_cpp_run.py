@@ -6,6 +6,11 @@ Request: {"model": path, "prompts": [[ids]], "tokens": n, "threads": k, "out": p
 context evaluates the prompt in one batch (every position's logits: `prefill_<p>`), then decodes `tokens` greedy tokens
 one at a time, each step's logits after feeding the token (`decode_<p>`). Printed, one JSON line: the greedy tokens,
 llama-cpp-python's version, and the layers llama.cpp gave KV cache and recurrent state (from its own load log).
+
+llama.cpp's extra buffer types (weight repacking: AMX, the CPU's repacked quant layouts) are off
+(`without_extra_buffer_types`): this repository's CPU machines advertise AMX, and ggml's AMX buffer type dies there
+of SIGILL on q8_0 and q4_0 weights; off, every type runs ggml's plain CPU kernels. benchmarks/gguf_engine.py runs
+both its models the same way.
 """
 
 import ctypes
@@ -26,6 +31,21 @@ def keep_log(level, text, user_data):
     LOG.append(text.decode("utf-8", errors="replace"))
 
 
+def without_extra_buffer_types() -> None:
+    """Every model loaded after this call has llama.cpp's `use_extra_bufts` off (module doc). `Llama` takes its model
+    parameters from `llama_model_default_params` and has no argument for this one."""
+    import llama_cpp.llama_cpp as api
+
+    default = api.llama_model_default_params
+
+    def params():
+        chosen = default()
+        chosen.use_extra_bufts = False
+        return chosen
+
+    api.llama_model_default_params = params
+
+
 def memory_layers(log: str) -> tuple[list[int], list[int]]:
     """(layers with KV cache, layers with recurrent state) from llama.cpp's per-layer debug lines."""
     kv = [int(n) for n in re.findall(r"llama_kv_cache: layer +(\d+): dev = ", log)]
@@ -36,6 +56,7 @@ def memory_layers(log: str) -> tuple[list[int], list[int]]:
 def main() -> None:
     request = json.loads(sys.stdin.read())
     llama_cpp.llama_log_set(keep_log, ctypes.c_void_p(0))
+    without_extra_buffer_types()
     prompts, steps = request["prompts"], request["tokens"]
     n_ctx = max(len(prompt) for prompt in prompts) + steps + 8
     llm = Llama(model_path=request["model"], n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
@@ -56,7 +77,7 @@ def main() -> None:
     np.savez(request["out"], **arrays)
     kv, recurrent = memory_layers("".join(LOG))
     print(json.dumps({"tokens": tokens, "version": llama_cpp.__version__, "kv_layers": kv,
-                      "recurrent_layers": recurrent}))
+                      "recurrent_layers": recurrent, "extra_buffer_types": False}))
 
 
 if __name__ == "__main__":
