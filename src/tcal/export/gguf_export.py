@@ -266,7 +266,10 @@ def read_gguf(path: Path, config) -> tuple[dict, dict[str, torch.Tensor]]:
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     state: dict[str, torch.Tensor] = {}
     for hf_name, like in qwen3_5_state_dict_shapes(config).items():
-        tensor = tensors.pop(gguf_name(name_map, hf_name))
+        name = gguf_name(name_map, hf_name)
+        if name not in tensors:
+            raise ParityFailed(f"--format gguf: {path.name} lacks {name}, the tensor of {hf_name}")
+        tensor = tensors.pop(name)
         data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         state[hf_name] = from_llama_cpp(hf_name, np.asarray(data).reshape(llama_cpp_shape(hf_name, like)))
     if tensors:
