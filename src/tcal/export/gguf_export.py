@@ -366,7 +366,7 @@ class GgufFormat(ExportFormat):
         log.info("llama.cpp check (%s): %s", self.outtype, check["summary"])
         if self.outtype == "f32" and not check["passed"]:
             raise ParityFailed(f"--format gguf: llama.cpp does not reproduce transformers ({check['summary']})")
-        return {"llama_cpp_check": {"checked": True, **check}}
+        return {"llama_cpp_check": {"checked": True, "gated": self.outtype == "f32", **check}}
 
 
 def run_llama_cpp(path: Path, prompts: list[list[int]], tokens: int, python: Path, threads: int = 1) -> dict:
