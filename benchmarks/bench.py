@@ -22,7 +22,9 @@ against its teacher on CPU, benchmarks/serve.py; needs `make serve-check`'s .ven
 named: a `recall_table` cell of RULER, `--ruler-lengths` x `--ruler-tasks` with `--ruler-n` examples each, on the
 SmolLM2 student at 50% (naive init) over the run's evaluation documents, generated one by one and in batches of
 `--ruler-batch-size` in the same process, benchmarks/ruler_cost.py; the full cell at n = 50 takes an hour or more
-on one CPU thread).
+on one CPU thread), and `gguf` (only when named: llama.cpp decode tokens/s after `--gguf-contexts` prompt tokens and
+the memory held, a random Qwen3 of SmolLM2-135M's shape against its student at 0.25, both GGUF,
+benchmarks/gguf_decode.py; needs `make gguf-check`'s .venv-gguf; 32k-token prefills take many minutes).
 Ratios, not timed tests. Peak RSS is per process: run `stage2` and `stage2_plain` each in its own
 invocation (`longctx` starts a process per model and context itself).
 """
@@ -36,6 +38,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from gguf_decode import GGUF_CONTEXTS, GGUF_OUTTYPE, GGUF_THREADS, bench_gguf
 from host_memory import bench_host_memory
 from init_cost import bench_init_modes, bench_phase2_step, bench_stats
 from longctx import (
@@ -96,7 +99,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = ["gdn", "kl_memory", "host_memory", "host_memory_replaced", "student", "stats", "phase2", "init",
               "stage1", "stage2", "stage2_plain", "plan", "plan_activations"]
-    parser.add_argument("groups", nargs="*", default=groups, choices=[*groups, "longctx", "serve", "ruler"])
+    parser.add_argument("groups", nargs="*", default=groups, choices=[*groups, "longctx", "serve", "ruler", "gguf"])
     parser.add_argument("--override", "-o", action="append", default=[], help="Hydra override, e.g. teacher=tiny_llama")
 
     count = number(int, above=0)  # lengths, batches, steps, examples
@@ -117,10 +120,15 @@ def main(argv=None) -> None:
                            "default: each mode's own (300)")
     ruler = parser.add_argument_group("ruler")
     ruler.add_argument("--ruler-lengths", type=numbers(count), default=RULER_LENGTHS, help="comma list of lengths")
-    ruler.add_argument("--ruler-tasks", type=numbers(one_of(KNOWN_RULER_TASKS)), default=RULER_TASKS, help="comma list of RULER tasks")
+    ruler.add_argument("--ruler-tasks", type=numbers(one_of(KNOWN_RULER_TASKS)), default=RULER_TASKS,
+                       help="comma list of RULER tasks")
     ruler.add_argument("--ruler-n", type=count, default=RULER_N, help="examples per length and task")
     ruler.add_argument("--ruler-batch-size", type=count, default=None,
                        help="examples generated together (default: eval.ruler.batch_size's default)")
+    gguf = parser.add_argument_group("gguf")
+    gguf.add_argument("--gguf-contexts", type=numbers(count), default=GGUF_CONTEXTS, help="comma list of prompt lengths")
+    gguf.add_argument("--gguf-threads", type=count, default=GGUF_THREADS, help="llama.cpp threads of both models")
+    gguf.add_argument("--gguf-outtype", default=GGUF_OUTTYPE, help="both files' --outtype")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
@@ -136,7 +144,14 @@ def main(argv=None) -> None:
         bench_plan_activations(args.override)
     if "plan" in args.groups:
         bench_plan(args.override)
-    if set(args.groups) - {"gdn", "kl_memory", "host_memory", "host_memory_replaced", "plan", "plan_activations"}:
+    if "gguf" in args.groups:
+        from tcal.settings.compose import settings_for
+
+        cache_dir = settings_for(*[o for o in args.override if not o.startswith("stage.")]).paths.cache_dir
+        bench_gguf(Path(cache_dir) / "bench_gguf", args.gguf_contexts, threads=args.gguf_threads,
+                   outtype=args.gguf_outtype)
+    if set(args.groups) - {"gdn", "kl_memory", "host_memory", "host_memory_replaced", "plan", "plan_activations",
+                           "gguf"}:
         from tcal.retention.uniform import uniform_layers
         from tcal.settings.compose import settings_for
         from tcal.teachers.load import load_teacher

@@ -2,6 +2,7 @@
 at batch 8 from a repeated batch-1 cache decodes like the batch-1 cache."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,7 +140,7 @@ def test_make_bench_runs_the_script_with_every_group():
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for group in ("gdn", "kl_memory", "student", "stats", "phase2", "init", "stage1", "stage2", "stage2_plain",
-                  "plan", "longctx", "--contexts", "--no-peak-rss"):
+                  "plan", "longctx", "--contexts", "--no-peak-rss", "gguf", "--gguf-contexts"):
         assert group in done.stdout
 
 
@@ -221,3 +222,41 @@ def test_recall_benchmark_arguments_are_checked_before_the_teacher_loads(script,
         importlib.import_module(script).main()
     err = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and named in err[-1], err
+
+
+def test_bench_gguf_writes_teacher_and_student_and_prints_a_line_per_context(tmp_path, monkeypatch, capsys):
+    """The two files llama.cpp runs (the teacher as `qwen3`, the student as `qwen35` with recurrent layers off the keep
+    list 0, 4, ...), and one line per context from the engine's figures; the engine itself is `make gguf-check`'s."""
+    import sys
+
+    import gguf
+    import gguf_decode
+
+    monkeypatch.setattr(gguf_decode, "SMOLLM2_SHAPE", {**gguf_decode.SMOLLM2_SHAPE, "vocab_size": 64, "hidden_size": 64,
+                                                       "intermediate_size": 64, "num_hidden_layers": 6,
+                                                       "head_dim": 32, "num_attention_heads": 2,
+                                                       "num_key_value_heads": 1})
+    monkeypatch.setattr(gguf_decode, "GGUF_PYTHON", Path(sys.executable))
+    seen = []
+
+    def engine(model, contexts, decode_tokens, threads):
+        seen.append((model.name, tuple(contexts), threads))
+        student = model.name.startswith("student")
+        return {c: {"prefill_s": 1.0, "decode_s_per_token": 0.01 if student else 0.03,
+                    "kv_mib": 1.0 if student else 4.0, "recurrent_mib": 0.5 if student else 0.0,
+                    "llama_cpp_python": "0.3.36"} for c in contexts}
+
+    monkeypatch.setattr(gguf_decode, "engine_figures", engine)
+    lines = gguf_decode.bench_gguf(tmp_path, contexts=(64, 128), decode_tokens=4, threads=2, outtype="f16")
+    assert [line["figure"] for line in lines] == ["gguf_llama_cpp_T64", "gguf_llama_cpp_T128"]
+    assert lines[0]["decode_ratio"] == 3.0 and lines[0]["kv_ratio"] == 0.25 and lines[0]["keep"] == [0, 4]
+    assert seen == [("teacher-f16.gguf", (64,), 2), ("student-f16.gguf", (64,), 2),
+                    ("teacher-f16.gguf", (128,), 2), ("student-f16.gguf", (128,), 2)]
+    teacher = gguf.GGUFReader(str(tmp_path / "teacher-f16.gguf"))
+    per_layer = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_norm",
+                 "ffn_gate", "ffn_up", "ffn_down")  # llama.cpp's qwen3 loader (src/models/qwen3.cpp)
+    assert teacher.fields["general.architecture"].contents() == "qwen3"
+    assert {t.name for t in teacher.tensors} == {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{name}.weight" for i in range(6) for name in per_layer}
+    student = gguf.GGUFReader(str(tmp_path / "student-f16.gguf"))
+    assert student.fields["qwen35.attention.recurrent_layers"].contents() == [i not in (0, 4) for i in range(6)]

@@ -432,9 +432,9 @@ def test_an_export_carries_what_its_configs_name_or_drops_the_pointer(fmt, point
 def test_an_export_whose_configs_name_a_file_it_lacks_is_not_written(pointing_source, tmp_path, monkeypatch):
     """The check itself: with nothing carried nor dropped, DEST's configs name files it lacks, and nothing is
     written."""
-    from tcal.export import write
+    from tcal.export.formats import ExportFormat
 
-    monkeypatch.setattr(write, "carry_or_drop", lambda source, folder: {})
+    monkeypatch.setattr(ExportFormat, "carry", lambda self, source, folder: {})
     with pytest.raises(ParityFailed, match=r"configs name files it does not hold: .*tokenization_custom\.py"):
         export(pointing_source, tmp_path / "hf", "hf")
     assert not (tmp_path / "hf").exists()

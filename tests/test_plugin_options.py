@@ -566,7 +566,7 @@ def every_kinds_names() -> list[set[str]]:
 # Tables each kind had before it was a registry, and what is no table (a dtype map, RULER's tasks, a subset of a
 # kind's names, a sort order, a record's entries, a loop over names)
 OLD_TABLES = ('STAGES = {"align": AlignStage, "distill": DistillStage}',
-              'FORMATS = ("tcal", "hf", "qwen3_5", "vllm")',
+              'FORMATS = ("tcal", "hf", "qwen3_5", "vllm", "gguf")',
               'VLLM_FAMILIES = ("llama", "qwen2", "qwen3")',
               'KINDS = ("align", "distill")',
               'layer_class = {"qwen2": Qwen2DecoderLayer, "qwen3": Qwen3DecoderLayer}.get(family)',

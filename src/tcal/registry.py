@@ -210,6 +210,7 @@ EXPORT_FORMATS.declare("tcal", "tcal.export.formats:TCAL")
 EXPORT_FORMATS.declare("hf", "tcal.export.formats:HF")
 EXPORT_FORMATS.declare("qwen3_5", "tcal.export.qwen3_5:QWEN3_5")
 EXPORT_FORMATS.declare("vllm", "tcal.export.formats:VLLM")
+EXPORT_FORMATS.declare("gguf", "tcal.export.gguf_export:GGUF")
 
 # A student's teacher `model_type` -> the function building its kept layers in vLLM (tcal.serving.vllm_model)
 VLLM_FAMILIES = Registry("vLLM family")

@@ -1,6 +1,7 @@
-"""`tcal-export SOURCE DEST --format {tcal,hf,qwen3_5,vllm,...}`: the student in a form other software loads.
+"""`tcal-export SOURCE DEST --format {tcal,hf,qwen3_5,vllm,gguf,...}`: the student in a form other software loads.
 
     tcal-export outputs/run/ exported/ --format vllm --serve-python .venv-serve/bin/python
+    tcal-export outputs/run/ exported-gguf/ --format gguf --outtype q8_0 --serve-python .venv-gguf/bin/python
 
 SOURCE is a run folder (its student/) or a student folder. DEST is written whole or not at all: a format that cannot
 hold the student exactly, a damaged SOURCE, or a DEST that is the source, a run's own folders or record, or a
@@ -41,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"largest float32 |logit difference| accepted (default {LOGIT_TOLERANCE:g})")
     parser.add_argument("--serve-python", type=Path,
                         help="--format vllm: a Python with vLLM (e.g. .venv-serve/bin/python) that also serves "
-                             "the export and checks it under the bf16 rule")
+                             "the export and checks it under the bf16 rule; --format gguf: a Python with "
+                             "llama-cpp-python (e.g. .venv-gguf/bin/python) whose llama.cpp loads it and is compared "
+                             "with transformers")
+    parser.add_argument("--outtype", help="--format gguf: the weights' type, f32, f16 (default), bf16, q8_0 or q4_0")
     args = parser.parse_args(argv)
     if args.serve_python is not None and not (args.serve_python.is_file() and os.access(args.serve_python, os.X_OK)):
         parser.error(f"--serve-python {args.serve_python}: not an executable file; expected a Python with vLLM "
@@ -50,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     from tcal.export.write import export
 
     try:
-        record = export(args.source, args.dest, args.fmt, args.tolerance, args.serve_python)
+        options = {"outtype": args.outtype} if args.outtype is not None else {}
+        record = export(args.source, args.dest, args.fmt, args.tolerance, args.serve_python, options)
     except ConfigError as err:
         config_error_exit(err, PROGRAM)
     except (ParityFailed, OSError) as err:  # OSError: the filesystem refused a write midway (WriteFailed)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tcal.export.companions import carry_or_drop, loads_as_source
 from tcal.export.parity import Parity, compare, engine_agreement
 from tcal.export.refusal import ExportRefused, ParityFailed
 from tcal.export.remote import modeling_code
@@ -35,7 +36,14 @@ class ExportFormat:
     """One format. Each step has the default of a checkpoint transformers loads with tcal imported; a format
     overrides what differs. `tcal.export.write.export` calls, in order: `check` (before any work), `write` (into a
     temporary folder), `check_written` (the parity check, and record entries), and, when parity passed,
-    `after_parity` (more record entries, or ParityFailed)."""
+    `after_parity` (more record entries, or ParityFailed). `options` names what `configured` takes from the
+    command line (`--outtype` for gguf); most formats take none."""
+
+    options: tuple[str, ...] = ()
+
+    def configured(self, **options):
+        """This format with the options `tcal-export` was given for it (only names in `options` reach it)."""
+        return self
 
     trust_remote_code = False  # what the format's users pass to transformers' loaders (the model's and tokenizer's)
 
@@ -69,6 +77,16 @@ class ExportFormat:
     def after_parity(self, student, folder: Path, prompts: list[list[int]], serve_python: Path | None) -> dict:
         """Record entries of further checks once parity passed (raise ParityFailed to refuse the export)."""
         return {}
+
+    def carry(self, source: Path, folder: Path) -> dict:
+        """The files beside the student that DEST's users read, carried from SOURCE's student folder `source` into the
+        written export `folder` or their pointers dropped (`tcal.export.companions`); the record's entry."""
+        return carry_or_drop(source, folder)
+
+    def loads(self, folder: Path, source: Path, tokenizer) -> dict:
+        """DEST loaded as the format's users load it (its tokenizer, generation defaults, the files its configs name)
+        against SOURCE's; ParityFailed naming what differs."""
+        return loads_as_source(folder, source, tokenizer, self.trust_remote_code)
 
 
 class TcalFormat(ExportFormat):

@@ -144,12 +144,15 @@ def qwen3_5_state_dict(student) -> dict[str, torch.Tensor]:
 
 def qwen3_5_model(student):
     """`Qwen3_5ForCausalLM` holding the student's weights (float32, eval mode)."""
+    check_qwen3_student(student.config)
+    return qwen3_5_from_state(qwen3_5_config(student.config), qwen3_5_state_dict(student))
+
+
+def qwen3_5_from_state(config, state: dict[str, torch.Tensor]):
+    """`Qwen3_5ForCausalLM` of `config` holding `state` (Qwen3.5's names, every weight present), float32 eval mode."""
     from transformers import Qwen3_5ForCausalLM
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
-    check_qwen3_student(student.config)
-    config = qwen3_5_config(student.config)
-    state = qwen3_5_state_dict(student)
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

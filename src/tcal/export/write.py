@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from tcal.export.companions import carry_or_drop, loads_as_source
 from tcal.export.parity import LOGIT_TOLERANCE, parity_prompts
 from tcal.export.refusal import ExportRefused, ParityFailed
 from tcal.registry import EXPORT_FORMATS
@@ -126,32 +125,37 @@ def one_line(err: BaseException, limit: int = 200) -> str:
     return " ".join(str(err).split())[:limit]
 
 
-def check_format(config, fmt: str):
-    """The `ExportFormat` named `fmt`, once it found it can hold the student of `config` exactly (refused before any
-    work otherwise)."""
+def check_format(config, fmt: str, options: dict | None = None):
+    """The `ExportFormat` named `fmt`, configured with `options` (e.g. {"outtype": "q8_0"}), once it found it can hold
+    the student of `config` exactly (refused before any work otherwise, as is an option the format does not take)."""
     if fmt not in EXPORT_FORMATS:
         raise ExportRefused(f"--format {fmt!r}; expected one of {', '.join(EXPORT_FORMATS.names())}")
     export_format = EXPORT_FORMATS[fmt].implementation
+    for name in options or {}:
+        if name not in export_format.options:
+            takes = ", ".join(f"--{option}" for option in export_format.options) or "none"
+            raise ExportRefused(f"--{name} is not an option of --format {fmt} (its options: {takes})")
+    export_format = export_format.configured(**(options or {}))
     export_format.check(config)
     return export_format
 
 
 def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANCE,
-           serve_python: Path | None = None) -> dict:
-    """Write SOURCE's student into DEST in format `fmt`, or raise ExportRefused / ParityFailed with DEST untouched.
-    Returns the record written as DEST/EXPORT_RECORD."""
+           serve_python: Path | None = None, options: dict | None = None) -> dict:
+    """Write SOURCE's student into DEST in format `fmt` (with the format's `options`), or raise ExportRefused /
+    ParityFailed with DEST untouched. Returns the record written as DEST/EXPORT_RECORD."""
     folder = student_folder(Path(source))
     check_destination(Path(source), folder, Path(dest))
     check_folder_target(dest)
     check_writable(dest)
-    export_format = check_format(student_config(folder), fmt)
+    export_format = check_format(student_config(folder), fmt, options)
     student, tokenizer = load_student(folder)
     prompts = parity_prompts(tokenizer, student.config.vocab_size)
     record: dict = {"format": fmt, "source": str(folder.resolve()), "written_by": "tcal-export"}
 
     def write(tmp: Path) -> None:
         export_format.write(student, tokenizer, tmp)
-        record["companions"] = carry_or_drop(folder, tmp)
+        record["companions"] = export_format.carry(folder, tmp)
         parity, entries = export_format.check_written(student, tmp, prompts, tolerance)
         record.update(entries)
         record["parity"] = parity.record()
@@ -159,7 +163,7 @@ def export(source: Path, dest: Path, fmt: str, tolerance: float = LOGIT_TOLERANC
         if not parity.passed:
             raise ParityFailed(f"--format {fmt}: the written export does not reproduce the student ({parity.summary()}); "
                                f"nothing written to {dest}")
-        record["loads"] = loads_as_source(tmp, folder, tokenizer, export_format.trust_remote_code)
+        record["loads"] = export_format.loads(tmp, folder, tokenizer)
         record.update(export_format.after_parity(student, tmp, prompts, serve_python))
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
