@@ -26,6 +26,7 @@ from tcal.settings import RunSettings, SettingError
 
 def check_machine(settings: RunSettings) -> None:
     """Everything checkable before the teacher loads."""
+    check_chosen_options(settings)
     check_trainer(settings.trainer)
     choose_gdn_kernel(settings.trainer)
     check_budgets(settings)
@@ -44,6 +45,19 @@ def check_plan(settings: RunSettings) -> None:
     """What `tcal-plan` needs of a config, none of it about this machine (a plan is made for another one)."""
     check_family(settings.teacher)
     check_teacher_shape(settings, *configured_shape(settings.teacher))
+
+
+def check_chosen_options(settings: RunSettings) -> None:
+    """The options this run uses (init mode, retention policy, harness, RULER, stage kinds) resolve: a plugin's
+    option declared at a dotted path that does not is refused in one line naming the plugin and the path
+    (`tcal.registry.Option.check_resolves`), not when the option first runs, after the teacher loads."""
+    from tcal.registry import HARNESSES, INIT_MODES, POLICIES, RULERS, STAGE_KINDS
+
+    chosen = [(INIT_MODES, settings.init.name), (POLICIES, settings.retention.name),
+              (HARNESSES, settings.eval.harness.name), (RULERS, settings.eval.ruler.name),
+              *((STAGE_KINDS, stage.kind) for _, stage in settings.stage.stages())]
+    for registry, name in chosen:
+        registry[name].check_resolves()
 
 
 # ------------------------------------------------------------------------------------------------ the machine

@@ -164,6 +164,8 @@ def check_arguments(args: list[str]) -> None:
         if not multirun and parse(arg).is_sweep_override():
             raise ConfigError(f"{arg}: a sweep of values in a single run; expected tcal -m ... to run one job "
                               f"per value, or {arg.split('=', 1)[0]}=[...] for a list")
+    from tcal.preflight import check_chosen_options
+
     with hydra_configs():
         defaults = None
         jobs = planned_jobs(overrides) if multirun else [overrides]
@@ -176,6 +178,7 @@ def check_arguments(args: list[str]) -> None:
                     choices = run_choices(job, defaults)
                 cfg = compose_here([*choices, *job])
                 settings = run_settings(cfg)
+                check_chosen_options(settings)
                 check_output_folders(settings, overrides)
                 if settings.resume:
                     resumed(settings, run_settings(compose_here(choices)), [*choices, *job], choices)

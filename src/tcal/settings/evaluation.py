@@ -139,7 +139,7 @@ class EvalSettings(Settings):
         positive_int("batch_size", self.batch_size)
         window_length("seq_len", self.seq_len)
         for name, registry in (("harness", HARNESSES), ("ruler", RULERS)):
-            options = {option.name: option.settings for option in registry.options()}
+            options = registry.settings_classes()
             if not isinstance(getattr(self, name), tuple(options.values())):
                 raise bad(name, getattr(self, name), f"an option of eval/{name}: {', '.join(options)} "
                                                      f"(eval/{name}=none turns it off)")
