@@ -493,3 +493,13 @@ def test_ruler_is_planned_with_the_examples_a_rank_decodes_together():
                                                                                    "eval.ruler.batch_size=3")
     assert ruler_work("eval.ruler.n=20", "eval.ruler.batch_size=64") > ruler_work("eval.ruler.n=20",
                                                                                   "eval.ruler.batch_size=2")
+
+
+def test_more_tokenizing_workers_than_a_rank_s_cpus_is_said_in_the_plan(capsys):
+    """The plan is for another machine, so its CPUs are the SLURM job's: more workers than those is a note."""
+    from tcal.tools.plan.staging import HOST_CPUS_PER_RANK
+
+    assert not [n for n in tiny_plan(f"data.workers={HOST_CPUS_PER_RANK}")["notes"] if "data.workers" in n]
+    main(["teacher=tiny_llama", "data.workers=100000"])
+    assert (f"note: data.workers=100000: more tokenizing processes than the {HOST_CPUS_PER_RANK} CPUs this plan's "
+            f"SLURM job asks a rank") in capsys.readouterr().out

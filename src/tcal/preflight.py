@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tcal.errors import ConfigError
+from tcal.runtime.processes import usable_cpus
 from tcal.settings import RunSettings, SettingError
 
 
@@ -133,13 +134,6 @@ def check_data_files(settings: RunSettings) -> None:
             if not Path(str(path)).expanduser().is_file():
                 raise ConfigError(f"{key}: {str(path)!r} does not exist (or is not a file); expected an existing "
                                   f".txt or .jsonl file")
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity; the machine's count where there is none)."""
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def check_resources(settings: RunSettings) -> None:
