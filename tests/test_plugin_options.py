@@ -464,7 +464,8 @@ def test_no_module_imports_by_name_outside_the_registry():
 
 BROKEN_PATHS = {  # a plugin declaring options at dotted paths that do not resolve (each module itself imports)
     "bad_gate.py": "from tcal.registry import INIT_MODES\n"
-                   "INIT_MODES.declare('bad_gate', 'toy_paths.no_such_module:gate', 'tcal.settings.init:InitSettings')\n",
+                   "INIT_MODES.declare('bad_gate', 'toy_paths.no_such_module:gate',\n"
+                   "                   'tcal.settings.init:InitSettings')\n",
     "bad_policy.py": "from tcal.registry import POLICIES\n"
                      "POLICIES.declare('bad_settings', 'tcal.retention.uniform:uniform',\n"
                      "                 'tcal.settings.retention:NoSuchSettings')\n",
