@@ -145,9 +145,7 @@ def check_resources(settings: RunSettings) -> None:
     if workers is not None and workers > cpus:
         raise ConfigError(f"data.workers={workers}: more tokenizing processes than the {cpus} CPUs this process may "
                           f"use; expected at most {cpus}, or null (one per CPU); it changes nothing, a resume may set it")
-    if str(trainer.accelerator) == "cpu" and isinstance(trainer.devices, int) and trainer.devices > cpus:
-        raise ConfigError(f"trainer.devices={trainer.devices} CPU processes with trainer.accelerator=cpu, more than the "
-                          f"{cpus} CPUs this process may use; expected at most {cpus}")
+    check_cpu_ranks(trainer)
     ids = trainer.devices if isinstance(trainer.devices, (list, tuple)) else (
         [int(p) for p in str(trainer.devices).split(",") if p.strip().isdigit()] if isinstance(trainer.devices, str)
         and "," in trainer.devices else [])
@@ -155,6 +153,15 @@ def check_resources(settings: RunSettings) -> None:
     if trainer.wants_gpu and any(i >= gpus for i in ids):
         raise ConfigError(f"trainer.devices={list(ids)}: GPU ids from 0 to {gpus - 1} are visible here; expected ids "
                           f"among them")
+
+
+def check_cpu_ranks(trainer) -> None:
+    """CPU ranks (`trainer.devices` with accelerator cpu) at most one per CPU this process may use: checked before
+    any work and again where the ranks are started (`tcal.cli.rank.run_ranks`)."""
+    cpus = usable_cpus()
+    if str(trainer.accelerator) == "cpu" and isinstance(trainer.devices, int) and trainer.devices > cpus:
+        raise ConfigError(f"trainer.devices={trainer.devices} CPU processes with trainer.accelerator=cpu, more than the "
+                          f"{cpus} CPUs this process may use; expected at most {cpus}")
 
 
 def check_teacher(teacher) -> None:
