@@ -224,3 +224,21 @@ def test_ranks_still_running_after_one_failed_are_stopped_and_the_record_says_wh
                                        f"(record: {run_dir / 'results.json'})"]
     record = read_results(run_dir)  # written by rank 0 before it was stopped, marked failed by the job
     assert (record["status"], record["error"]) == ("failed", f"RankFailed: rank 1: RuntimeError: {message}")
+
+
+def test_cpu_ranks_are_bounded_where_they_start(tmp_path, monkeypatch):
+    """`run_ranks` called without the command line's preflight: more CPU ranks than the CPUs this process may use
+    is one line before any rank process starts."""
+    from tcal.cli.rank import run_ranks
+    from tcal.errors import ConfigError
+
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a rank process was started")
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(subprocess, "Popen", no_rank)
+    settings = compose("experiment=smoke", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=3")
+    with pytest.raises(ConfigError, match=r"^trainer.devices=3 CPU processes with trainer.accelerator=cpu, more than "
+                                          r"the 2 CPUs this process may use; expected at most 2$"):
+        run_ranks(settings, tmp_path / "run", resume=False)
+    assert not (tmp_path / "run").exists()

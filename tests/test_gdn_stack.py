@@ -4,6 +4,13 @@ on all of them; a stack no row names runs fla."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import repo_cache_dir
@@ -30,6 +37,15 @@ REFUSED = [
     (Stack("2.13.0+cu130", "3.7.1", "0.7.2", **H200), "fla-core==0.6.0, trainer.gdn_kernel=fla to run this fla "
                                                       "unchecked", False),
     (Stack("2.6.0+cu124", "3.2.0", "0.6.0", **A100), "torch >= 2.7.0 with the Triton it ships", False),
+    # stacks the table's rows do not spell out, decided as fla decides them:
+    (Stack("2.12.0+cu130", "3.7.1rc1", "0.6.0", **H200), "Triton >= 3.7.1", True),  # a pre-release is below 3.7.1
+    (Stack("2.9.0+cu128", "3.5.0+git1234abcd", "0.6.0", capability=(9, 0), device_name="NVIDIA GH200 480GB"),
+     "Triton >= 3.7.1", True),  # a pytorch-triton build on a Hopper whose name lacks "NVIDIA H"
+    (Stack("2.12.1+cu130", None, "0.6.0", **A100), "the Triton your torch ships", True),
+    (Stack("2.12.1+cu130", "3.7.1-custom", "0.6.0", **A100), "a Triton whose __version__ is a PEP 440 version", True),
+    (Stack("2.11.0+cu130", "3.6.0", "0.6.0", flash_qla=True, **H200),
+     "trainer.gdn_kernel=fla where every GDN layer is 16-bit with head_dim 128", False),
+    (Stack("2.7.0a0+nv25.03", "3.3.0", "0.6.0", **A100), "torch >= 2.7.0 with the Triton it ships", False),
 ]
 ACCEPTED = [
     Stack("2.12.1+cu130", "3.7.1", "0.6.0", **H200),
@@ -37,6 +53,18 @@ ACCEPTED = [
     Stack("2.11.0+cu130", "3.6.0", "0.6.0", tilelang=True, **H200),  # fla routes the backward to TileLang
     Stack("2.11.0+cu130", "3.6.0", "0.6.0", **A100),  # the Triton bug is Hopper's
     Stack("2.10.0+cu128", "3.6.0", "0.6.0", capability=(10, 0), device_name="NVIDIA B200"),
+    Stack("2.8.0+cu128", "3.4.0rc1", "0.6.0", **H200),  # below 3.4.0 as fla compares: its guard does not fire
+    Stack("2.12.1+cu130", "3.7.1+gitabc12345", "0.6.0", **H200),  # a local build of 3.7.1 is not below it
+    Stack("2.11.0+rocm6.4", "3.6.0", "0.6.0", capability=(9, 4), device_name="AMD Instinct MI300X", platform="hip"),
+]
+
+# a refusal names the row that matched as its cause, not a neighbour's
+CAUSES = [
+    (Stack("2.12.1+cu130", None, "0.6.0", **A100), "Triton is not importable", "fla is not installed"),
+    (Stack("2.12.1+cu130", "3.7.1", None, **A100), "fla is not installed", "Triton is not importable"),
+    (Stack("2.12.1+cu130", "3.7.1-custom", "0.6.0", **A100), "fla cannot read this Triton's version",
+     "below fla-core 0.6.0's CUDA requirements"),
+    (Stack("2.12.0+cu130", "3.7.1rc1", "0.6.0", **H200), "a pre-release of 3.7.1 is below it", "FlashQLA"),
 ]
 
 
@@ -60,6 +88,13 @@ def test_a_stack_the_table_names_is_refused_in_one_line_naming_the_fix(stack, fi
 def test_a_stack_no_row_names_runs_fla(stack):
     assert gdn_kernel_for("auto", True, stack) == gdn_kernel_for("fla", True, stack) == "fla"
     assert gdn_kernel_for("torch", True, stack) == "torch"
+
+
+@pytest.mark.parametrize("stack,cause,other", CAUSES, ids=[s.describe() for s, _, _ in CAUSES])
+def test_a_refusal_names_its_own_cause(stack, cause, other):
+    with pytest.raises(ConfigError) as info:
+        gdn_kernel_for("auto", True, stack)
+    assert cause in str(info.value) and other not in str(info.value)
 
 
 def test_every_row_of_the_table_is_exercised():
@@ -160,3 +195,60 @@ def test_two_runs_in_one_process_keep_their_own_kernels(tiny_api, fake_cuda_stac
                                                                                       "auto": {"fla"}}
     assert gdn.kernel_path("cuda", runs["torch"].gdn_kernel) == "torch-chunk"
     assert gdn.kernel_path("cuda", runs["auto"].gdn_kernel) == "fla-triton-chunk"
+
+
+@pytest.fixture
+def fresh_stack():
+    read_stack.cache_clear()
+    yield
+    read_stack.cache_clear()
+
+
+def test_triton_is_the_module_fla_imports_whatever_installed_it(monkeypatch, fresh_stack):
+    """A pytorch-triton or triton-nightly build: no distribution named `triton`, the module's own version."""
+    fake = types.ModuleType("triton")
+    fake.__spec__ = importlib.machinery.ModuleSpec("triton", None)
+    fake.__version__ = "3.5.0+git1234abcd"
+    monkeypatch.setitem(sys.modules, "triton", fake)
+    real_version = importlib.metadata.version
+
+    def no_triton_distribution(name):
+        if name == "triton":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_triton_distribution)
+    assert read_stack().triton == "3.5.0+git1234abcd"
+
+
+def test_rocm_is_read_as_fla_reads_it(monkeypatch, fresh_stack):
+    monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
+    assert read_stack().platform == "hip"
+
+
+def test_tilelang_counts_as_fla_counts_it(monkeypatch, tmp_path):
+    """fla's own test: the package, enabled, dispatch on, and an nvcc in CUDA_HOME (CUDA_PATH only without it)."""
+    from tcal.student import stack as stack_module
+
+    for folder in ("good", "bad"):
+        (tmp_path / folder / "bin").mkdir(parents=True)
+    (tmp_path / "good" / "bin" / "nvcc").touch()
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: importlib.machinery.ModuleSpec(name, None)
+                        if name == "tilelang" else real_find_spec(name, *a))
+    monkeypatch.setattr(stack_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(stack_module.importlib.metadata, "files", lambda name: [])
+    monkeypatch.setattr(stack_module, "Path", lambda p: tmp_path / "bad" if str(p) == "/usr/local/cuda" else Path(p))
+    for name in ("FLA_TILELANG", "FLA_DISABLE_BACKEND_DISPATCH", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "good"))
+    assert stack_module._tilelang_usable()
+    monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    assert not stack_module._tilelang_usable()  # fla's dispatch is off: the Triton backward runs, and raises
+    monkeypatch.delenv("FLA_DISABLE_BACKEND_DISPATCH")
+    monkeypatch.setenv("FLA_TILELANG", "0")
+    assert not stack_module._tilelang_usable()
+    monkeypatch.delenv("FLA_TILELANG")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "bad"))
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path / "good"))
+    assert not stack_module._tilelang_usable()  # fla reads CUDA_PATH only where CUDA_HOME is unset

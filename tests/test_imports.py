@@ -42,7 +42,8 @@ def test_no_module_imports_a_private_name_of_another():
 # The folders (and top-level modules) of src/tcal from the bottom layer up. A module imports tcal only from layers
 # below its own, never from its own layer or one above.
 LAYERS = (
-    ("arguments", "errors", "hub", "registry"),
+    ("errors",),
+    ("arguments", "hub", "registry"),
     ("runtime", "serving", "settings"),
     ("store",),
     ("data", "teachers", "tracking"),

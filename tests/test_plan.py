@@ -489,3 +489,36 @@ def test_memory_flags_that_plan_nothing_are_refused_before_any_plan(flags, named
         main(["teacher=tiny_llama", *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and named in err[-1], err
+
+
+def ruler_work(*overrides) -> float:
+    """GB of the final evaluation's RULER working set for Qwen2.5-1.5B's paper experiment (FSDP over 8 ranks) at
+    32k tokens, where one example's KV cache and states are about 0.2 GB."""
+    cfg = compose(f"experiment={PAPER_EXPERIMENTS['qwen2_5_1_5b']}", "eval/ruler=default", "eval.ruler.lengths=[32768]",
+                  *overrides)
+    return make_plan(cfg)["moments"]["final_evaluation"]["work_gb"]["ruler"]
+
+
+def test_ruler_is_planned_with_the_examples_a_rank_decodes_together():
+    """A cell holds `eval.ruler.n` examples, shared round robin over the ranks: a rank decodes at most its share at
+    once, however large `eval.ruler.batch_size` is."""
+    one = ("trainer.devices=1",)
+    assert ruler_work(*one, "eval.ruler.n=2", "eval.ruler.batch_size=64") == ruler_work(*one, "eval.ruler.n=2",
+                                                                                        "eval.ruler.batch_size=2")
+    assert ruler_work(*one, "eval.ruler.n=64", "eval.ruler.batch_size=64") > ruler_work(*one, "eval.ruler.n=2",
+                                                                                       "eval.ruler.batch_size=64")
+    # 20 examples over the experiment's 8 ranks: the first rank holds 3
+    assert ruler_work("eval.ruler.n=20", "eval.ruler.batch_size=64") == ruler_work("eval.ruler.n=20",
+                                                                                   "eval.ruler.batch_size=3")
+    assert ruler_work("eval.ruler.n=20", "eval.ruler.batch_size=64") > ruler_work("eval.ruler.n=20",
+                                                                                  "eval.ruler.batch_size=2")
+
+
+def test_more_tokenizing_workers_than_a_rank_s_cpus_is_said_in_the_plan(capsys):
+    """The plan is for another machine, so its CPUs are the SLURM job's: more workers than those is a note."""
+    from tcal.tools.plan.staging import HOST_CPUS_PER_RANK
+
+    assert not [n for n in tiny_plan(f"data.workers={HOST_CPUS_PER_RANK}")["notes"] if "data.workers" in n]
+    main(["teacher=tiny_llama", "data.workers=100000"])
+    assert (f"note: data.workers=100000: more tokenizing processes than the {HOST_CPUS_PER_RANK} CPUs this plan's "
+            f"SLURM job asks a rank") in capsys.readouterr().out

@@ -608,3 +608,85 @@ def test_no_module_imports_by_name_outside_the_registry():
     found = [path.relative_to(REPO).as_posix() for path in sorted((REPO / "src" / "tcal").rglob("*.py"))
              if "import_module" in path.read_text() and path.relative_to(REPO).as_posix() != "src/tcal/registry.py"]
     assert found == []
+
+
+BROKEN_PATHS = {  # a plugin declaring options at dotted paths that do not resolve (each module itself imports)
+    "bad_gate.py": "from tcal.registry import INIT_MODES\n"
+                   "INIT_MODES.declare('bad_gate', 'toy_paths.no_such_module:gate',\n"
+                   "                   'tcal.settings.init:InitSettings')\n",
+    "bad_policy.py": "from tcal.registry import POLICIES\n"
+                     "POLICIES.declare('bad_settings', 'tcal.retention.uniform:uniform',\n"
+                     "                 'tcal.settings.retention:NoSuchSettings')\n",
+    "conf/init/bad_gate.yaml": yaml("init", "bad_gate"),
+    "conf/retention/bad_settings.yaml": yaml("retention", "bad_settings"),
+}
+BAD_GATE = (r"TCAL_PLUGINS='toy_paths': plugin 'toy_paths' declares init mode 'bad_gate' with implementation "
+            r"'toy_paths.no_such_module:gate', which does not resolve \(ModuleNotFoundError: .*\); expected an "
+            r"importable 'module:attribute'")
+BAD_SETTINGS = (r"TCAL_PLUGINS='toy_paths': plugin 'toy_paths' declares retention policy 'bad_settings' with "
+                r"settings 'tcal.settings.retention:NoSuchSettings', which does not resolve \(AttributeError: .*\)")
+
+
+@pytest.fixture
+def broken_paths(tmp_path, monkeypatch):
+    """TCAL_PLUGINS names `toy_paths` in this process; every registry as it was afterwards."""
+    from tcal.registry import ALL_REGISTRIES, PLUGINS_ENV
+
+    root = tmp_path / "plugins"
+    for name, text in BROKEN_PATHS.items():
+        (root / "toy_paths" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "toy_paths" / name).write_text(text)
+    before = [(registry, dict(registry._options), registry._loaded) for registry in ALL_REGISTRIES]
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv(PLUGINS_ENV, "toy_paths")
+    yield root
+    for registry, options, loaded in before:
+        registry._options, registry._loaded = options, loaded
+    for name in [name for name in sys.modules if name == "toy_paths" or name.startswith("toy_paths.")]:
+        del sys.modules[name]
+
+
+def test_a_plugin_path_that_does_not_resolve_is_named_before_the_teacher_loads(broken_paths, compose_cfg, tmp_path,
+                                                                                monkeypatch):
+    from test_errors import assert_nothing_written
+
+    from tcal import api
+    from tcal.pipeline import run
+
+    def no_teacher_load(*args, **kwargs):
+        raise AssertionError("the teacher was loaded before the plugin's path was checked")
+
+    monkeypatch.setattr(api, "load_teacher", no_teacher_load)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=rf"^{BAD_GATE}") as refused:
+        run(compose_cfg("experiment=smoke", "init=bad_gate", f"paths.cache_dir={tmp_path / 'cache'}"), run_dir)
+    assert "\n" not in str(refused.value)
+    assert_nothing_written(run_dir)
+    with pytest.raises(ConfigError, match=BAD_SETTINGS):
+        compose_cfg("experiment=smoke", "retention=bad_settings")
+
+
+def test_runs_that_do_not_use_a_plugin_s_broken_path_are_not_broken_by_it(broken_paths, compose_cfg):
+    from tcal.preflight import check_chosen_options
+    from tcal.registry import INIT_MODES, POLICIES
+
+    settings = compose_cfg("experiment=smoke", "eval/harness=local", "eval/ruler=default")
+    check_chosen_options(settings)
+    assert "bad_gate" in INIT_MODES.names() and "bad_settings" in POLICIES.names()
+
+
+def test_a_plugin_path_that_does_not_resolve_at_the_entry_points(broken_paths, tmp_path):
+    """`tcal` and `tcal-plan` with the broken option: exit 2, one line naming the plugin and the path; without it
+    `tcal-plan` plans as before."""
+    env = {**os.environ, "TCAL_PLUGINS": "toy_paths", "PYTHONPATH": f"{broken_paths}{os.pathsep}{REPO / 'src'}",
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TCAL_CACHE_DIR": isolated_cache_dir(tmp_path / "cache")}
+    for command, message in ((["tcal.cli.app", "experiment=smoke", "retention=bad_settings", "hydra.run.dir=run"],
+                              BAD_SETTINGS),
+                             (["tcal.cli.app", "experiment=smoke", "init=bad_gate", "hydra.run.dir=run"], BAD_GATE),
+                             (["tcal.tools.plan", "teacher=tiny_llama", "retention=bad_settings"], BAD_SETTINGS)):
+        done = subprocess.run([sys.executable, "-m", *command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and re.search(message, lines[0]), done.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+    run([sys.executable, "-m", "tcal.tools.plan", "teacher=tiny_llama", "--json"], env, tmp_path)

@@ -4,6 +4,7 @@ offline jsonl corpus of a few MB that this file writes, read through `datasets`'
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import threading
@@ -351,3 +352,45 @@ def test_a_run_past_its_store_says_so_before_work_and_records_it(corpus, tmp_pat
     assert result["data"]["distinct_tokens"] == 1024 and result["data"]["passes"] == 2.0
     recorded = json.loads((tmp_path / "run" / "results.json").read_text())
     assert recorded["data"] == result["data"]
+
+
+class RecordingPool:
+    """A ProcessPoolExecutor's stand-in that runs each task here and records how many workers it was asked for (no
+    process is forked, whatever the count)."""
+
+    sizes: list = []
+
+    def __init__(self, max_workers, **kwargs):
+        RecordingPool.sizes.append(max_workers)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        future.set_result(fn(*args, tokenizer=self.tokenizer))
+        return future
+
+
+@pytest.mark.parametrize("asked,batches,cpus,started", [(100_000, 3, 8, 3), (100_000, 40, 8, 8), (None, 2, 8, 2),
+                                                         (5, 40, 8, 5), (100_000, 1, 8, None)])
+def test_the_token_store_s_pool_is_bounded_where_it_forks(asked, batches, cpus, started, tokenizer, monkeypatch,
+                                                          caplog):
+    """However many workers are asked (the Python API has no preflight), the pool has at most one per CPU this
+    process may use and one per batch of documents; a single batch is tokenized here; more than the CPUs is said."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(RecordingPool, "sizes", [])
+    monkeypatch.setattr(RecordingPool, "tokenizer", tokenizer, raising=False)
+    monkeypatch.setattr(token_store, "ProcessPoolExecutor", RecordingPool)
+    docs = [Document(f"d{i}", f"{WORDS[i % len(WORDS)]} {i}.")
+            for i in range(batches * token_store.DOCUMENTS_PER_TASK)]
+    ids = list(token_store.tokenized(docs, tokenizer, asked))
+    assert [a.tolist() for a in ids] == [a.tolist() for a in token_store.token_arrays([d.text for d in docs],
+                                                                                      tokenizer)]
+    assert RecordingPool.sizes == ([] if started is None else [started])
+    assert (f"data.workers={asked}: at most {cpus} worker processes" in caplog.text) == bool(asked and asked > cpus)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tcal.errors import ConfigError
+from tcal.runtime.processes import usable_cpus
 from tcal.settings import RunSettings, SettingError
 
 
@@ -58,6 +59,7 @@ STEPS = tuple(STEP_NEEDS)  # `tcal`'s run: every step, in order
 def check_steps(settings: RunSettings, steps=STEPS, on_cuda: bool = False) -> str:
     """What the steps need of this machine, on every road; returns the GDN kernel chosen for the run (`on_cuda`:
     its teacher is already on a GPU)."""
+    check_chosen_options(settings)
     check_trainer(settings.trainer)
     kernel = choose_gdn_kernel(settings.trainer, on_cuda)
     if any(STEP_NEEDS[step].trains for step in steps):
@@ -84,6 +86,19 @@ def check_plan(settings: RunSettings) -> None:
     """What `tcal-plan` needs of a config, none of it about this machine (a plan is made for another one)."""
     check_family(settings.teacher)
     check_teacher_shape(settings, STEPS, *configured_shape(settings.teacher))
+
+
+def check_chosen_options(settings: RunSettings) -> None:
+    """The options this run uses (init mode, retention policy, harness, RULER, stage kinds) resolve: a plugin's
+    option declared at a dotted path that does not is refused in one line naming the plugin and the path
+    (`tcal.registry.Option.check_resolves`), not when the option first runs, after the teacher loads."""
+    from tcal.registry import HARNESSES, INIT_MODES, POLICIES, RULERS, STAGE_KINDS
+
+    chosen = [(INIT_MODES, settings.init.name), (POLICIES, settings.retention.name),
+              (HARNESSES, settings.eval.harness.name), (RULERS, settings.eval.ruler.name),
+              *((STAGE_KINDS, stage.kind) for _, stage in settings.stage.stages())]
+    for registry, name in chosen:
+        registry[name].check_resolves()
 
 
 # ------------------------------------------------------------------------------------------------ the machine
@@ -161,13 +176,6 @@ def check_data_files(settings: RunSettings) -> None:
                                   f".txt or .jsonl file")
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity; the machine's count where there is none)."""
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def check_resources(settings: RunSettings) -> None:
     """The processes and devices a run starts are ones this machine has: tokenizing workers (`data.workers`) and CPU
     ranks (`trainer.devices` with accelerator cpu) at most one per CPU this process may use, GPU ids among the
@@ -177,9 +185,7 @@ def check_resources(settings: RunSettings) -> None:
     if workers is not None and workers > cpus:
         raise ConfigError(f"data.workers={workers}: more tokenizing processes than the {cpus} CPUs this process may "
                           f"use; expected at most {cpus}, or null (one per CPU); it changes nothing, a resume may set it")
-    if str(trainer.accelerator) == "cpu" and isinstance(trainer.devices, int) and trainer.devices > cpus:
-        raise ConfigError(f"trainer.devices={trainer.devices} CPU processes with trainer.accelerator=cpu, more than the "
-                          f"{cpus} CPUs this process may use; expected at most {cpus}")
+    check_cpu_ranks(trainer)
     ids = trainer.devices if isinstance(trainer.devices, (list, tuple)) else (
         [int(p) for p in str(trainer.devices).split(",") if p.strip().isdigit()] if isinstance(trainer.devices, str)
         and "," in trainer.devices else [])
@@ -187,6 +193,15 @@ def check_resources(settings: RunSettings) -> None:
     if trainer.wants_gpu and any(i >= gpus for i in ids):
         raise ConfigError(f"trainer.devices={list(ids)}: GPU ids from 0 to {gpus - 1} are visible here; expected ids "
                           f"among them")
+
+
+def check_cpu_ranks(trainer) -> None:
+    """CPU ranks (`trainer.devices` with accelerator cpu) at most one per CPU this process may use: checked before
+    any work and again where the ranks are started (`tcal.cli.rank.run_ranks`)."""
+    cpus = usable_cpus()
+    if str(trainer.accelerator) == "cpu" and isinstance(trainer.devices, int) and trainer.devices > cpus:
+        raise ConfigError(f"trainer.devices={trainer.devices} CPU processes with trainer.accelerator=cpu, more than the "
+                          f"{cpus} CPUs this process may use; expected at most {cpus}")
 
 
 def check_teacher(teacher) -> None:

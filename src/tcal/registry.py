@@ -15,7 +15,10 @@ YAMLs, searched after tcal's own (`plugin_conf_dirs`).
 
 A plugin that cannot be used (not importable, a plain module rather than a package, a module that raises, a name
 that is taken) is a `PluginError`: one line naming the plugin and what to do; the registries are left as they were
-before it, and every later ask names it again.
+before it, and every later ask names it again. An option a plugin declares at a dotted path that does not resolve
+is a `PluginError` naming the plugin and the path when that option is used (its settings when a run composes with
+it, its implementation in the run's checks before the teacher loads: `check_resolves`); runs that do not use it are
+not touched by it.
 """
 
 from __future__ import annotations
@@ -27,11 +30,16 @@ import pkgutil
 from pathlib import Path
 from typing import Any, Callable
 
+from tcal.errors import ConfigError
+
 PLUGINS_ENV = "TCAL_PLUGINS"
 
 
-class PluginError(Exception):
+class PluginError(ConfigError):
     """A plugin package `TCAL_PLUGINS` names cannot be used; the message names it and what to do, on one line."""
+
+
+_declaring: list[str] = []  # the plugin package whose modules `Registry.load` is importing now (its declarations')
 
 
 def resolve(target: Any) -> Any:
@@ -53,14 +61,34 @@ class Option:
     settings_at: type | str | None
     implementation_at: Any
     defaults: dict
+    kind: str = "option"
+    plugin: str | None = None  # the TCAL_PLUGINS package that declared it (None: tcal's own)
 
     @property
     def settings(self) -> type:
-        return resolve(self.settings_at)
+        return self._resolve("settings", self.settings_at)
 
     @property
     def implementation(self) -> Any:
-        return resolve(self.implementation_at)
+        return self._resolve("implementation", self.implementation_at)
+
+    def check_resolves(self) -> None:
+        """A plugin's option: its settings and implementation paths resolve (importing them), else the one-line
+        PluginError naming the plugin and the path, before a run that uses it does any work."""
+        if self.plugin is not None:
+            self.settings, self.implementation  # noqa: B018 - resolved for their errors
+
+    def _resolve(self, what: str, target: Any) -> Any:
+        if self.plugin is None:
+            return resolve(target)
+        try:
+            return resolve(target)
+        except Exception as err:  # noqa: BLE001 - whatever the path raises, the plugin and the path are named
+            cause = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            raise PluginError(f"{PLUGINS_ENV}={os.environ.get(PLUGINS_ENV)!r}: plugin {self.plugin!r} declares "
+                              f"{self.kind} {self.name!r} with {what} {target!r}, which does not resolve ({cause}); "
+                              f"expected an importable 'module:attribute', fix the plugin, or remove it from "
+                              f"{PLUGINS_ENV}") from None
 
     def make_settings(self, **changes: Any):
         """The option's default settings (as its YAML gives them when it changes nothing), with `changes`."""
@@ -82,7 +110,8 @@ class Registry:
             at = self._options[name].implementation_at
             owner = at.partition(":")[0] if isinstance(at, str) else getattr(at, "__module__", None) or "another module"
             raise ValueError(f"{self.kind} {name!r} is already registered (by {owner}); expected a name of its own")
-        self._options[name] = Option(name, settings, implementation, dict(defaults))
+        self._options[name] = Option(name, settings, implementation, dict(defaults), self.kind,
+                                     _declaring[-1] if _declaring else None)
         return implementation
 
     def option(self, name: str, settings: type | None = None, **defaults: Any) -> Callable[[Any], Any]:
@@ -98,6 +127,7 @@ class Registry:
             return
         for plugin in plugins:
             before = [(registry, dict(registry._options)) for registry in (*ALL_REGISTRIES, self)]
+            _declaring.append(plugin)
             try:
                 for module in pkgutil.iter_modules(plugin_package(plugin).__path__):
                     import_plugin_module(plugin, f"{plugin}.{module.name}")
@@ -105,6 +135,8 @@ class Registry:
                 for registry, options in before:
                     registry._options = options
                 raise
+            finally:
+                _declaring.pop()
         self._loaded = plugins
 
     def names(self) -> list[str]:
@@ -113,6 +145,17 @@ class Registry:
 
     def options(self) -> list[Option]:
         return [self[name] for name in self.names()]
+
+    def settings_classes(self) -> dict[str, type]:
+        """Each option's settings class, by name, leaving out a plugin's option whose settings path does not resolve
+        (a run that chooses it is refused by name when it composes)."""
+        classes = {}
+        for option in self.options():
+            try:
+                classes[option.name] = option.settings
+            except PluginError:
+                continue
+        return classes
 
     def __getitem__(self, name: str) -> Option:
         self.load()

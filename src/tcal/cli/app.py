@@ -15,6 +15,7 @@ SIGTERM, SIGINT or SIGUSR1 (`tcal.runtime.signals`) leave the record saying so, 
 that did not run) and exit with 128 + the signal's number; a write the filesystem refuses is one line, exit 1.
 """
 
+import errno
 import sys
 from pathlib import Path
 
@@ -166,6 +167,8 @@ def check_arguments(args: list[str]) -> None:
         if not multirun and parse(arg).is_sweep_override():
             raise ConfigError(f"{arg}: a sweep of values in a single run; expected tcal -m ... to run one job "
                               f"per value, or {arg.split('=', 1)[0]}=[...] for a list")
+    from tcal.preflight import check_chosen_options
+
     with hydra_configs():
         defaults = None
         jobs = planned_jobs(overrides) if multirun else [overrides]
@@ -178,6 +181,7 @@ def check_arguments(args: list[str]) -> None:
                     choices = run_choices(job, defaults)
                 cfg = compose_here([*choices, *job])
                 settings = run_settings(cfg)
+                check_chosen_options(settings)
                 check_output_folders(settings, overrides)
                 if settings.resume:
                     resumed(settings, run_settings(compose_here(choices)), [*choices, *job], choices)
@@ -211,9 +215,63 @@ def check_output_folders(settings: RunSettings, args: list[str]) -> None:
 
 
 def run_failed_exit(err: Exception, run_dir: Path) -> None:
-    """A named failure of the run (divergence, a failed rank): one line, the record's path, exit code 1."""
-    print(f"tcal: run failed: {err} (record: {Path(run_dir) / 'results.json'})", file=sys.stderr, flush=True)
+    """A named failure of the run (divergence, a failed rank, a refused write): one line, exit code 1."""
+    print(run_failed_line(err, run_dir), file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def run_failed_line(err: Exception, run_dir: Path) -> str:
+    """`tcal: run failed: <err> (<the record>)`: the record's path where it says `failed`, else what it is (none
+    written, or one its failure could not be written to: a full disk)."""
+    path = Path(run_dir) / RESULTS
+    try:
+        record = load_record(path) if path.is_file() else None
+    except (RecordError, OSError) as unreadable:
+        return f"tcal: run failed: {err} (the record {path} cannot be read: {unreadable})"
+    if record is None:
+        state = f"no record: {path} was not written"
+    elif record.get("status") == "failed":
+        state = f"record: {path}"
+    else:
+        state = f"the record {path} still says {record.get('status')!r}: its failure could not be written"
+    return f"tcal: run failed: {err} ({state})"
+
+
+def disk_full(err: BaseException) -> OSError | None:
+    """The full disk (ENOSPC, or EDQUOT: the user's quota) behind a library's write that raised its own error, not
+    tcal's WriteFailed (Lightning's metrics.csv, a lock file, Hydra's files); None for any other error."""
+    from tcal.store.files import os_error_of
+
+    refused = next(filter(None, (os_error_of(e) for e in (err, err.__cause__, err.__context__) if e)), None)
+    return refused if refused is not None and refused.errno in (errno.ENOSPC, errno.EDQUOT) else None
+
+
+def report_hydra_write_failures() -> None:
+    """Hydra writes the job's log file and .hydra/*.yaml before the run starts, where a refused write (a full disk)
+    would be its traceback: there it is `run_failed_exit`'s line too (before any record: none is written)."""
+    from hydra.core import utils
+
+    from tcal.store.files import write_failure
+
+    def reported(write, target):
+        def guarded(*args, **kwargs):
+            try:
+                return write(*args, **kwargs)
+            except Exception as err:
+                full = disk_full(err)
+                if full is None:
+                    raise
+                path = target(full, *args)
+                run_failed_exit(write_failure(path, full, kept=False), path.parent.parent if
+                                path.parent.name == ".hydra" else path.parent)
+
+        guarded.tcal_reported = True
+        return guarded
+
+    if not getattr(utils._save_config, "tcal_reported", False):  # (cfg, filename, output_dir): .hydra/<filename>
+        utils._save_config = reported(utils._save_config, lambda refused, cfg, name, folder: Path(folder) / name)
+    if not getattr(utils.configure_log, "tcal_reported", False):  # opens the job's log file
+        utils.configure_log = reported(utils.configure_log, lambda refused, *args: Path(refused.filename or "."))
 
 
 def interrupted_exit(err: Interrupted) -> None:
@@ -250,6 +308,14 @@ def hydra_main(cfg) -> None:
         config_error_exit(err)
     except (Divergence, RankFailed, WriteFailed) as err:
         run_failed_exit(err, run_dir)
+    except Exception as err:
+        full = disk_full(err)
+        if full is None:
+            raise
+        from tcal.store.files import write_failure
+
+        where = full.filename or f"a file its error does not name (a library's write in the run {run_dir})"
+        run_failed_exit(write_failure(where, full, kept=False), run_dir)
     except Interrupted as err:
         err.run_dir = getattr(err, "run_dir", run_dir)
         raise
@@ -268,6 +334,7 @@ def main() -> None:
         config_error_exit(err)
     # the run's own options before the command's (a resume), the plugin packages' options (TCAL_PLUGINS) after
     sys.argv[1:] = [*RESUME_CHOICES, *args, *plugin_search_path()]
+    report_hydra_write_failures()
     try:
         with handling():
             hydra_main()

@@ -87,6 +87,9 @@ def run_ranks(settings, run_dir: Path, resume: bool) -> None:
     from tcal.runtime.distributed import world_size
     from tcal.store.record import describe, record_failure
 
+    from tcal.preflight import check_cpu_ranks
+
+    check_cpu_ranks(settings.trainer)  # bounded where they start, also for a caller that made no preflight
     world = world_size(settings.trainer)
     address, port = meeting_point(int(settings.trainer.num_nodes))
     tree = settings.tree()

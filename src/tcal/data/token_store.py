@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ import torch
 
 from tcal.data.documents import Document, StreamedDocuments, document_ids, token_stream
 from tcal.errors import DataError
+from tcal.runtime.processes import pool_size
 from tcal.runtime.progress import progress
 from tcal.store.cache import key_lock
 from tcal.store.files import write_atomic, write_json_atomic
@@ -124,7 +126,7 @@ def open_store(train: list[Document] | StreamedDocuments, tokenizer, cache_dir: 
         with key_lock(folder):
             store = finished_store(folder, key, exact) or prepare(
                 folder, key, documents_from(train), tokenizer, max_tokens, int(data.shard_tokens),
-                resolve_workers(data.workers), exact)
+                data.workers, exact)
             if not sealed_as_now(store):
                 store.shards = [Shard(s.file, s.tokens, s.documents, seal(folder / s.file)) for s in store.shards]
                 write_manifest(folder, key, store.shards, complete=True)
@@ -155,13 +157,6 @@ def documents_from(train) -> Callable[[int], Iterator[Document]]:
         return train.from_document
     docs = list(train)
     return lambda start: iter(docs[start:])
-
-
-def resolve_workers(workers: int | None) -> int:
-    """`data.workers`, or the CPUs this process may use."""
-    if workers:
-        return int(workers)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def read_manifest(folder: Path, key: str) -> dict | None:
@@ -233,7 +228,7 @@ def write_shard(folder: Path, index: int, pieces: list[np.ndarray]) -> tuple[str
 
 
 def prepare(folder: Path, key: str, documents: Callable[[int], Iterator[Document]], tokenizer,
-            max_tokens: int | None, shard_tokens: int, workers: int,
+            max_tokens: int | None, shard_tokens: int, workers: int | None,
             exact: list[Document] | None) -> TokenStore:
     """Tokenize the documents into shards after those a killed preparation left (module doc); returns the store."""
     manifest = read_manifest(folder, key)
@@ -296,26 +291,29 @@ def batches(documents: Iterable[Document], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def tokenized(documents: Iterable[Document], tokenizer, workers: int) -> Iterator[np.ndarray]:
+def tokenized(documents: Iterable[Document], tokenizer, workers: int | None) -> Iterator[np.ndarray]:
     """Each document's ids (`token_arrays`), in document order: in this process for one worker or a single batch,
-    else in a pool of `workers` processes with at most `TASKS_AHEAD` batches per worker in flight."""
+    else in a pool with at most `TASKS_AHEAD` batches per worker in flight. The pool has `workers` processes (None:
+    one per CPU), at most the CPUs this process may use and the batches there are (`pool_size`: the first ones are
+    read before it starts)."""
     texts = batches(documents, DOCUMENTS_PER_TASK)
-    first = next(texts, None)
-    second = next(texts, None)
-    if first is None:
+    most = pool_size(workers, "data.workers")
+    head = list(itertools.islice(texts, most))
+    if not head:
         return
-    if workers <= 1 or second is None:
-        for batch in filter(None, (first, second)):
+    size = min(most, len(head))
+    if size <= 1:
+        for batch in head:
             yield from token_arrays(batch, tokenizer)
         yield from (ids for batch in texts for ids in token_arrays(batch, tokenizer))
         return
-    with ProcessPoolExecutor(workers, mp_context=pool_context(), initializer=_start_worker,
+    with ProcessPoolExecutor(size, mp_context=pool_context(), initializer=_start_worker,
                              initargs=(tokenizer,)) as pool:
         queued: collections.deque = collections.deque()
         try:
-            for batch in _chain(first, second, texts):
+            for batch in itertools.chain(head, texts):
                 queued.append(pool.submit(token_arrays, batch))
-                if len(queued) >= workers * TASKS_AHEAD:
+                if len(queued) >= size * TASKS_AHEAD:
                     yield from queued.popleft().result()
             while queued:
                 yield from queued.popleft().result()
@@ -333,7 +331,3 @@ def pool_context():
     return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 
 
-def _chain(first, second, rest):
-    yield first
-    yield second
-    yield from rest

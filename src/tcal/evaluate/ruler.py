@@ -203,6 +203,12 @@ def cell_hits(model, tokenizer, documents: list[str], cells, n: int, seed: int, 
             yield (length, task), (int(hits), len(mine))
 
 
+def examples_decoded_together(n: int, batch_size: int, world_size: int = 1) -> int:
+    """The most examples one rank decodes at once: its share of a cell (`Ranks.share`, round robin: the first rank
+    holds ceil(n / world_size)), `batch_size` at a time (`generated_tokens`)."""
+    return min(int(batch_size), len(range(int(n))[::max(int(world_size), 1)]))
+
+
 @torch.no_grad()
 def generated_tokens(model, tokenizer, examples: list[dict], max_new_tokens: int | None = None, batch_size: int = 1,
                      done=lambda count: None) -> list[list[int]]:

@@ -1,1 +1,1 @@
-"""One process among a run's ranks: starting them, shared decisions, signals."""
+"""One process among a run's ranks: starting them, shared decisions, signals, its worker pools' bound, its log file."""

@@ -96,7 +96,7 @@ class NeedleRulerSettings(RulerSettings):
 def an_option_of(registry):
     """The settings of one of `registry`'s options (`eval/harness=<name>`)."""
     def check(key: str, value) -> None:
-        options = {option.name: option.settings for option in registry.options()}
+        options = registry.settings_classes()
         if not isinstance(value, tuple(options.values())):
             raise bad(key, value, f"an option of {registry.group}: {', '.join(options)} ({registry.group}=none turns "
                                   f"it off)")

@@ -93,7 +93,11 @@ def store_schemas(plugins: tuple[str, ...]) -> None:
         group, _, option = f"schema/{path}".rpartition("/")
         store.store(group=group, name=option, node=schema_node(cls))
     for registry in CONFIG_GROUP_REGISTRIES:
+        classes = registry.settings_classes()
         for option in registry.options():
-            node = schema_node(option.settings, {"name": option.name, **option.defaults})
+            if option.name not in classes:  # a plugin's settings path that does not resolve: named where it is chosen
+                store.store(group=f"schema/{registry.group}", name=option.name, node={"name": option.name})
+                continue
+            node = schema_node(classes[option.name], {"name": option.name, **option.defaults})
             store.store(group=f"schema/{registry.group}", name=option.name, node=node)
     store.store(group="schema", name="root", node=schema_node(RootSchema))

@@ -51,10 +51,12 @@ class WriteFailed(OSError):
         return str(self.args[0]) if self.args else super().__str__()
 
 
-def write_failure(path: Path, err: OSError) -> WriteFailed:
+def write_failure(path: Path, err: OSError, kept: bool = True) -> WriteFailed:
+    """The one line of a refused write; `kept`: the write was atomic, so the previous content is whole (a log
+    file's or Hydra's own writes are not)."""
     cause = err.strerror or type(err).__name__
     code = f" ({errno.errorcode.get(err.errno, err.errno)})" if err.errno else ""
-    failed = WriteFailed(f"cannot write {path}: {cause}{code}; the previous content is kept")
+    failed = WriteFailed(f"cannot write {path}: {cause}{code}{'; the previous content is kept' if kept else ''}")
     failed.errno, failed.filename = err.errno, str(path)
     return failed
 

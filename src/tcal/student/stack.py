@@ -2,7 +2,10 @@
 
 fla's chunked kernels are Triton code, and some stacks compute them wrong. fla 0.6.0 itself refuses one (Hopper GPUs
 with Triton >= 3.4.0, < 3.7.1), but only at the first backward: after the teacher load and the calibration forward.
-`gdn_kernel_for` reads the same facts up front, from package metadata and the device (nothing is compiled), against
+`gdn_kernel_for` reads the facts fla reads, up front (nothing is compiled): the version of the `triton` module fla
+imports, whichever distribution installed it, compared as fla compares it (`packaging.version`, so 3.7.1rc1 is below
+3.7.1); the device as fla's `IS_NVIDIA_HOPPER` sees it (NVIDIA only: a name with "NVIDIA H" or compute capability
+9.x); and whether fla's backend dispatch can send the backward to TileLang or FlashQLA. It judges them against
 `FLA_RULES`: the table of docs/gpu.md, "The stack check", each row with its source.
 
     trainer.gdn_kernel=auto   fla where no row applies; a stack a row names is refused in one line naming the fix
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from tcal.errors import ConfigError
 from tcal.settings.trainer import GDN_KERNELS
@@ -36,9 +39,13 @@ TORCH_PATH_FIX = "trainer.gdn_kernel=torch (tcal's torch chunk path on CUDA: cor
 
 @dataclass(frozen=True)
 class Stack:
-    """What decides whether fla's kernels are right here. Versions are package versions (None: not installed);
-    `capability` is the CUDA device's compute capability (None without one); `tilelang`: fla can route its gated
-    backward to TileLang (tilelang installed, not disabled by FLA_TILELANG=0, an nvcc found: fla's own test)."""
+    """What decides whether fla's kernels are right here, as fla reads it. `triton`: the importable `triton` module's
+    `__version__` (None: not importable), whatever distribution installed it; `fla`: the version of the distribution
+    that installed the `fla` module (None: not installed); `capability`: the current CUDA device's compute
+    capability (None without one); `device_name`: device 0's name; `platform`: Triton's backend, `cuda` (NVIDIA) or
+    `hip` (AMD ROCm, where torch also says CUDA). `tilelang` / `flash_qla`: fla's backend dispatch can send the
+    gated backward to TileLang / the whole GDN to FlashQLA (package importable, not switched off, fla's own test of
+    an nvcc for TileLang, dispatch not disabled by FLA_DISABLE_BACKEND_DISPATCH=1)."""
 
     torch: str
     triton: str | None
@@ -46,12 +53,16 @@ class Stack:
     capability: tuple[int, int] | None = None
     device_name: str | None = None
     tilelang: bool = False
+    platform: str = "cuda"
+    flash_qla: bool = False
 
     def describe(self) -> str:
-        device = f"{self.device_name} (compute capability {self.capability[0]}.{self.capability[1]})" \
-            if self.capability else "no CUDA device"
+        device = f"{self.device_name} (compute capability {self.capability[0]}.{self.capability[1]}" \
+                 f"{', ROCm' if self.platform == 'hip' else ''})" if self.capability else "no CUDA device"
+        routes = "".join(f", {name} usable" for name, usable in (("TileLang", self.tilelang),
+                                                                 ("FlashQLA", self.flash_qla)) if usable)
         return f"{device}, torch {self.torch}, Triton {self.triton or 'not installed'}, " \
-               f"fla {self.fla or 'not installed'}{', TileLang usable' if self.tilelang else ''}"
+               f"fla {self.fla or 'not installed'}{routes}"
 
 
 @dataclass(frozen=True)
@@ -72,28 +83,69 @@ def version_tuple(version: str | None) -> tuple[int, ...]:
     return Version(version).release if version else ()
 
 
+def parsed_version(version: str | None) -> Version | None:
+    """`version` as fla compares it (`packaging.version.Version`); None when missing or not a version."""
+    try:
+        return Version(version) if version else None
+    except InvalidVersion:
+        return None
+
+
+def at_least(version: str | None, floor: str) -> bool:
+    """fla's `package_version.parse(version) >= package_version.parse(floor)`: a pre-release of `floor` is below it,
+    a local build (`+git...`) of it is not."""
+    found = parsed_version(version)
+    return found is not None and found >= Version(floor)
+
+
+def is_nvidia_hopper(stack: Stack) -> bool:
+    """fla 0.6.0's `IS_NVIDIA_HOPPER` (fla/utils/hardware.py): Triton's backend is `cuda` and device 0's name holds
+    "NVIDIA H" or the device's compute capability is 9.x."""
+    return stack.platform == "cuda" and stack.capability is not None and (
+        "NVIDIA H" in (stack.device_name or "") or stack.capability[0] == 9)
+
+
 def _hopper_broken_backward(stack: Stack) -> bool:
-    return (stack.capability is not None and stack.capability[0] == 9 and not stack.tilelang
-            and (3, 4, 0) <= version_tuple(stack.triton) < (3, 7, 1))
+    """fla's guard in `chunk_bwd_dqkwg` would be reached: Hopper, TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1,
+    and its dispatch has no TileLang backend to send the backward to."""
+    return (is_nvidia_hopper(stack) and not stack.tilelang and at_least(stack.triton, "3.4.0")
+            and not at_least(stack.triton, "3.7.1"))
+
+
+HOPPER_PROBLEM = ("Triton >= 3.4.0 and < 3.7.1 (compared as fla compares versions: a pre-release of 3.7.1 is below "
+                  "it) computes fla's gated chunk backward (dq, dk, dg, dbeta) wrong on Hopper GPUs")
+HOPPER_FIX = ("torch >= 2.12.1 (it ships Triton 3.7.1), Triton >= 3.7.1, or TileLang installed (pip install tilelang; "
+              "it needs an nvcc)")
+HOPPER_SOURCE = ("fla 0.6.0 fla/ops/common/chunk_o.py (chunk_bwd_dqkwg), fla/utils/hardware.py (IS_NVIDIA_HOPPER); "
+                 "github.com/fla-org/flash-linear-attention/issues/640")
 
 
 FLA_RULES: tuple[StackRule, ...] = (
-    StackRule(lambda s: s.fla is None or s.triton is None,
-              "fla-core or Triton is not installed, so there is no fla kernel",
+    StackRule(lambda s: s.fla is None,
+              "fla is not installed (no module `fla`), so there is no fla kernel",
               f"fla-core=={FLA_CHECKED} installed (it brings Triton)", "constraints.txt", hard=True),
-    StackRule(_hopper_broken_backward,
-              "Triton >= 3.4.0 and < 3.7.1 computes fla's gated chunk backward (dq, dk, dg, dbeta) wrong on Hopper "
-              "GPUs, and fla refuses it at the first backward",
-              "torch >= 2.12.1 (it ships Triton 3.7.1), Triton >= 3.7.1, or TileLang installed (pip install tilelang; "
-              "it needs an nvcc)",
-              "fla 0.6.0 fla/ops/common/chunk_o.py (chunk_bwd_dqkwg); "
-              "github.com/fla-org/flash-linear-attention/issues/640", hard=True),
-    StackRule(lambda s: s.fla is not None and version_tuple(s.fla) != version_tuple(FLA_CHECKED),
+    StackRule(lambda s: s.triton is None,
+              "Triton is not importable (no module `triton`, under whichever distribution), and fla imports it",
+              f"the Triton your torch ships (pip install fla-core=={FLA_CHECKED} brings it)",
+              "fla 0.6.0 fla/utils/env.py (import triton)", hard=True),
+    StackRule(lambda s: parsed_version(s.triton) is None,
+              "fla cannot read this Triton's version: `import fla` parses triton.__version__ with packaging and "
+              "raises InvalidVersion",
+              "a Triton whose __version__ is a PEP 440 version (the one your torch ships)",
+              "fla 0.6.0 fla/utils/env.py (TRITON_ABOVE_3_4_0)", hard=True),
+    StackRule(lambda s: _hopper_broken_backward(s) and not s.flash_qla,
+              f"{HOPPER_PROBLEM}, and fla refuses it at the first backward", HOPPER_FIX, HOPPER_SOURCE, hard=True),
+    StackRule(lambda s: _hopper_broken_backward(s) and s.flash_qla,
+              f"{HOPPER_PROBLEM}; fla sends the whole GDN to FlashQLA only for float16/bfloat16 q, k, v with head_dim "
+              f"128 (its verifier), and refuses any other call at the first backward",
+              f"{HOPPER_FIX}; trainer.gdn_kernel=fla where every GDN layer is 16-bit with head_dim 128",
+              f"{HOPPER_SOURCE}; fla/ops/gated_delta_rule/backends/flash_qla.py", hard=False),
+    StackRule(lambda s: s.fla is not None and (parsed_version(s.fla) is None
+                                               or version_tuple(s.fla) != version_tuple(FLA_CHECKED)),
               f"this table was checked against fla {FLA_CHECKED} only",
               f"fla-core=={FLA_CHECKED}, trainer.gdn_kernel=fla to run this fla unchecked",
               "constraints.txt", hard=False),
-    StackRule(lambda s: version_tuple(s.torch) < (2, 7, 0) or (s.triton is not None
-                                                                and version_tuple(s.triton) < (3, 3, 0)),
+    StackRule(lambda s: not at_least(s.torch, "2.7.0") or not at_least(s.triton, "3.3.0"),
               "below fla-core 0.6.0's CUDA requirements (torch >= 2.7.0, Triton >= 3.3; fla warns that errors on "
               "older Triton will not be fixed)",
               "torch >= 2.7.0 with the Triton it ships",
@@ -128,36 +180,75 @@ def gdn_kernel_for(choice: str, on_cuda: bool, stack: Stack | None = None) -> st
 
 @functools.lru_cache(maxsize=None)
 def read_stack(device_index: int | None = None) -> Stack:
-    """This machine's stack, from package metadata and the CUDA device (`device_index`, the current one by default);
-    nothing is imported from Triton or fla, so reading it compiles nothing."""
+    """This machine's stack as fla reads it: the `triton` module's own version (Triton is imported, as fla imports
+    it; nothing is compiled), the version of whichever distribution installed `fla` (fla is not imported), device
+    0's name and the compute capability of `device_index` (the current device by default)."""
     import torch
 
     capability = name = None
     if torch.cuda.is_available():
         index = torch.cuda.current_device() if device_index is None else device_index
-        capability, name = tuple(torch.cuda.get_device_capability(index)), torch.cuda.get_device_name(index)
-    return Stack(torch=torch.__version__, triton=_installed("triton"), fla=_installed("fla-core"),
-                 capability=capability, device_name=name, tilelang=_tilelang_usable())
+        capability, name = tuple(torch.cuda.get_device_capability(index)), torch.cuda.get_device_name(0)
+    return Stack(torch=torch.__version__, triton=_triton_version(), fla=_module_distribution_version("fla"),
+                 capability=capability, device_name=name, tilelang=_tilelang_usable(),
+                 platform="hip" if getattr(torch.version, "hip", None) else "cuda", flash_qla=_flash_qla_usable())
 
 
-def _installed(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
+def _triton_version() -> str | None:
+    """`triton.__version__`, the string fla parses, whichever distribution (triton, pytorch-triton, triton-nightly)
+    installed the module; None where it does not import."""
+    if importlib.util.find_spec("triton") is None:
         return None
+    try:
+        import triton
+    except Exception as err:  # a broken Triton: fla's own import fails on it
+        log.warning("Triton is installed but does not import (%s: %s)", type(err).__name__, err)
+        return None
+    return str(getattr(triton, "__version__", "")) or None
+
+
+def _module_distribution_version(module: str) -> str | None:
+    """The version of the distribution whose files hold `module`/__init__.py (fla-core, or an older
+    flash-linear-attention that carried the module itself); None where the module is not installed."""
+    if importlib.util.find_spec(module) is None:
+        return None
+    owners = importlib.metadata.packages_distributions().get(module, [])
+    for distribution in dict.fromkeys(owners):
+        files = importlib.metadata.files(distribution) or []
+        if any(str(f).replace("\\", "/") == f"{module}/__init__.py" for f in files):
+            return importlib.metadata.version(distribution)
+    return importlib.metadata.version(owners[0]) if owners else "unknown"
+
+
+def _dispatch_enabled(env_var: str, backend_type: str) -> bool:
+    """fla 0.6.0's `BaseBackend.is_enabled` for a backend enabled by default (fla/backends.py), and its dispatch
+    not switched off by FLA_DISABLE_BACKEND_DISPATCH=1."""
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
+        return False
+    if os.environ.get(f"FLA_{backend_type.upper()}", "0") != "0":
+        return True
+    return os.environ.get(env_var, "1") != "0"
 
 
 def _tilelang_usable() -> bool:
-    """fla's own test for its TileLang backend: the package, not switched off by FLA_TILELANG=0, and an nvcc in
-    CUDA_HOME / CUDA_PATH, on PATH, from the nvidia-cuda-nvcc wheel, or in /usr/local/cuda."""
-    if importlib.util.find_spec("tilelang") is None:
+    """fla's own test for its TileLang backend: the package importable, enabled (`_dispatch_enabled`), and an nvcc
+    (`fla.utils.env.has_usable_nvcc`: in CUDA_HOME, else CUDA_PATH, on PATH, from the nvidia-cuda-nvcc wheel, or in
+    /usr/local/cuda)."""
+    if importlib.util.find_spec("tilelang") is None or not _dispatch_enabled("FLA_TILELANG", "tilelang"):
         return False
-    if os.environ.get("FLA_TILELANG") == "0":
-        return False
-    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    if any(home and (Path(home) / "bin" / "nvcc").exists() for home in homes) or shutil.which("nvcc"):
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home is not None and (Path(home) / "bin" / "nvcc").exists():
+        return True
+    if shutil.which("nvcc") is not None:
         return True
     try:
-        return any(f.name == "nvcc" for f in importlib.metadata.files("nvidia-cuda-nvcc") or [])
+        if any(f.name in ("nvcc", "nvcc.exe") for f in importlib.metadata.files("nvidia-cuda-nvcc") or []):
+            return True
     except importlib.metadata.PackageNotFoundError:
-        return False
+        pass
+    return (Path("/usr/local/cuda") / "bin" / "nvcc").exists()
+
+
+def _flash_qla_usable() -> bool:
+    """fla's FlashQLA backend can take calls: the package importable and enabled (FLA_FLASH_QLA)."""
+    return importlib.util.find_spec("flash_qla") is not None and _dispatch_enabled("FLA_FLASH_QLA", "flash_qla")

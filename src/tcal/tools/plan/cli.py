@@ -10,7 +10,7 @@ from tcal.errors import ConfigError
 from tcal.tools.plan import memory
 from tcal.tools.plan.cost import hours_plan
 from tcal.tools.plan.output import format_plan, markdown_table, moments_markdown, slurm_env
-from tcal.tools.plan.staging import host_plan
+from tcal.tools.plan.staging import HOST_CPUS_PER_RANK, host_plan
 
 DEFAULT_HEADROOM_GB = 8.0  # per device, for what the plan does not count (make_plan)
 
@@ -48,6 +48,11 @@ def make_plan(settings, device_gb: float = 80.0, headroom_gb: float = DEFAULT_HE
     if str(trainer.devices) in ("-1", "auto") and str(trainer.accelerator) != "cpu":
         notes.append(f"trainer.devices={trainer.devices} counts the GPUs visible here ({world} counted); "
                      f"pass trainer.devices=N for the node's")
+    workers = settings.data.workers
+    if workers is not None and workers > HOST_CPUS_PER_RANK:
+        notes.append(f"data.workers={workers}: more tokenizing processes than the {HOST_CPUS_PER_RANK} CPUs this "
+                     f"plan's SLURM job asks a rank (cpus_per_task); tcal refuses more than the CPUs it may use, and "
+                     f"the token store starts at most one per CPU and per batch of documents")
     return {
         "teacher": settings.teacher.name, "model_type": model.teacher_config.model_type,
         "teacher_params": model.teacher_params, "student_params": model.student_params,

@@ -501,7 +501,8 @@ def final_eval_moment(settings, model: Model) -> Moment:
       one request's continuation at a time (`tcal.evaluate.ranked_lm.RankedHFLM`; at most `max_length` positions,
       a rolling log-likelihood's), plus one layer's forward; lm-eval turns autocast off, so a float32 student
       computes in float32;
-    - RULER (`eval.ruler.batch_size` examples of the longest `eval.ruler.lengths`, decoded together): one layer's
+    - RULER (`eval.ruler.batch_size` examples of the longest `eval.ruler.lengths`, decoded together, or fewer: a
+      rank's share of a cell's `eval.ruler.n`, `examples_decoded_together`): one layer's
       forward of one example's prefill (each runs alone), and per example the kept layers' KV cache, the GDN states
       and the last position's logits (generate keeps one).
 
@@ -509,6 +510,8 @@ def final_eval_moment(settings, model: Model) -> Moment:
     compute dtype under `-true`; without stages, the teacher's dtype it was built in.
     """
     from tcal.evaluate.perplexity import NLL_CHUNK_ROWS
+    from tcal.evaluate.ruler import examples_decoded_together
+    from tcal.runtime.distributed import world_size
 
     precision, _, state = trainer_state(settings.trainer)
     config, vocab, ev = model.teacher_config, model.vocab_size, settings.eval
@@ -528,7 +531,8 @@ def final_eval_moment(settings, model: Model) -> Moment:
         work["harness"] = (tokens * model.hidden_size * student_bytes + continuation
                            + forward_working_set(tokens, config, gdn_width, student_bytes))
     if ev.ruler.name != "none":
-        length, batch = max(int(n) for n in ev.ruler.lengths), int(ev.ruler.batch_size)
+        length = max(int(n) for n in ev.ruler.lengths)
+        batch = examples_decoded_together(ev.ruler.n, ev.ruler.batch_size, world_size(settings.trainer))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv = 2 * len(student_config.keep_layers) * length * config.num_key_value_heads * head_dim * compute
         states = len(student_config.gdn_layers) * (gdn.num_heads * gdn.head_dim ** 2 * 4 if gdn else 0)
