@@ -126,8 +126,8 @@ def bench_init(cfg) -> dict:
 
 
 def bench_init_modes(compose_cfg, modes=INIT_MODES_BENCHED, phase2_steps: int | None = None) -> dict:
-    """Each mode twice in a row, each in a fresh process: Phase 2 one layer after another as before
-    (`calibration.fit=sequential`, the reference) and batched (`calibration.fit=batched`, the default); the time of
+    """Each mode twice in a row, each in a fresh process: Phase 2 one layer after another
+    (`calibration.fit=sequential`: stacks of one layer) and batched (`calibration.fit=batched`, the default); the time of
     each and batched / sequential. Then each mode's batched time and peak-memory increase over `full`'s (the budget
     full_plus is held to: at most 1.5x the time and 2x the memory of full). `phase2_steps`: every mode's Phase 2
     cut to that many steps (on a loaded machine the whole 300 can take hours; the per-step work is the same)."""
