@@ -7,7 +7,7 @@ memory on a 151,936-token head, in chunks of logits), `student` (student against
 at 50% retention: forward, forward+backward, cache bytes, decode time), `stats` (peak memory of the
 streaming statistics at T=4096 against a plain forward), `phase2` (Phase 2 step against one GDN
 forward+backward), `init` (wall time and peak memory of the `phase2`, `full` and `full_plus` inits, uncached: Phase 2
-one layer after another (`calibration.fit=sequential`, as before) and batched, the ratio of the two, and each mode's
+one layer after another (`calibration.fit=sequential`: stacks of one) and batched, the ratio of the two, and each mode's
 ratios to `full`), `stage1` / `stage2` (a training step against its parts measured apart, and the
 process's peak RSS), `stage2_plain` (the same step with full-batch logits and an unchunked KL, for the memory
 comparison), `host_memory` (peak host RSS of building the Qwen2.5-1.5B-architecture student in bfloat16, and of

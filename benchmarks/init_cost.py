@@ -74,7 +74,7 @@ def bench_stats(teacher, seq_len=4096) -> dict:
 
 def bench_phase2_step(teacher, cfg, layer: int = 1, steps: int = 20) -> dict:
     """Phase 2 seconds per step on one layer, against one forward+backward of that GDN on the same batch."""
-    from tcal.init.calibration.align import align_layer
+    from tcal.init.calibration.phase2 import FullBatch, fit_stack
     from tcal.init.calibration.stats import collect_teacher_stats
     from tcal.student.alignment import alignment_loss
     from tcal.student.convert import naive_gdn
@@ -91,7 +91,7 @@ def bench_phase2_step(teacher, cfg, layer: int = 1, steps: int = 20) -> dict:
     plain = best_time(fwd_bwd)
     phase2 = dataclasses.replace(cfg.phase2, steps=steps)
     start = time.perf_counter()
-    align_layer(naive_gdn(teacher, layer), stats.inputs, stats.attn_output, phase2)
+    fit_stack([naive_gdn(teacher, layer)], FullBatch(stats.inputs[None], stats.attn_output[None]), phase2)
     per_step = (time.perf_counter() - start) / steps
     return emit("phase2_step", batch=f"{cfg.batch_size}x{cfg.seq_len}", layer=layer, fwd_bwd_s=plain,
                 phase2_step_s=per_step, ratio=per_step / plain, target="ratio <= 1.2")
@@ -126,8 +126,8 @@ def bench_init(cfg) -> dict:
 
 
 def bench_init_modes(compose_cfg, modes=INIT_MODES_BENCHED, phase2_steps: int | None = None) -> dict:
-    """Each mode twice in a row, each in a fresh process: Phase 2 one layer after another as before
-    (`calibration.fit=sequential`, the reference) and batched (`calibration.fit=batched`, the default); the time of
+    """Each mode twice in a row, each in a fresh process: Phase 2 one layer after another
+    (`calibration.fit=sequential`: stacks of one layer) and batched (`calibration.fit=batched`, the default); the time of
     each and batched / sequential. Then each mode's batched time and peak-memory increase over `full`'s (the budget
     full_plus is held to: at most 1.5x the time and 2x the memory of full). `phase2_steps`: every mode's Phase 2
     cut to that many steps (on a loaded machine the whole 300 can take hours; the per-step work is the same)."""

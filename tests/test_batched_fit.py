@@ -1,14 +1,15 @@
-"""Phase 2 as one batched fit (`tcal.init.calibration.batched`) against the one-layer-at-a-time reference
-(`calibration.fit=sequential`): the stacked forward is each layer's forward, the clipping is torch's on each layer
-alone, and on a tiny teacher the batched fits of phase2, full and full_plus equal the sequential ones (weights,
-losses, best steps, held-out curves) within float tolerance, bit for bit whichever layers share a stack; a NaN
-loss stops both paths naming the same layer and step, and caches nothing.
+"""Phase 2 as one fit of a stack of layers (`tcal.init.calibration.phase2`): the stacked forward is each layer's
+forward, the clipping is torch's on each layer alone, the fit is the one torch's own pieces make of each layer alone,
+a pool source that draws every window each step is the full batch, and on a tiny teacher the batched fits of phase2,
+full and full_plus equal the one-layer-at-a-time ones (`calibration.fit=sequential`: stacks of one; weights,
+losses, best steps, held-out curves) within float tolerance; a NaN loss stops both naming the same layer and step.
 
 Everything is tiny (hidden 64, 2 x 24 tokens, a dozen steps): the file runs in seconds."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -16,13 +17,19 @@ import torch
 from conftest import compose, make_teacher
 
 from tcal.errors import Divergence
-from tcal.init.calibration import align as align_module
-from tcal.init.calibration import batched as batched_module
-from tcal.init.calibration import pool as pool_module
-from tcal.init.calibration.align import BestState
-from tcal.init.calibration.batched import LayerBest, LayerStack, clip_each_layer
+from tcal.init.calibration import phase2 as phase2_module
 from tcal.init.calibration.calibrate import ArtifactStore, calibrate_layers
-from tcal.init.calibration.pool import calibrate_on_pool
+from tcal.init.calibration.phase2 import (
+    DYNAMICS,
+    PROJECTIONS,
+    FullBatch,
+    LayerBest,
+    LayerStack,
+    clip_each_layer,
+    fit_stack,
+)
+from tcal.init.calibration.pool import PoolDraws, calibrate_on_pool
+from tcal.init.calibration.stats import collect_teacher_stats
 from tcal.student.convert import naive_gdn
 from tcal.student.gdn import GatedDeltaNet
 
@@ -135,7 +142,78 @@ def test_clip_each_layer_is_torch_clip_of_each_layer_alone():
     assert all(torch.equal(p.grad[1], b[1]) for p, b in zip(params, before))  # under the clip: untouched
 
 
-# ------------------------------------------------------------------ batched against sequential
+def teacher_io(teacher, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher-forced inputs and targets of `LAYERS`, stacked [L, B, T, D]."""
+    stats = collect_teacher_stats(teacher, tokens, layers=list(LAYERS), block_size=16)
+    return tuple(torch.stack([getattr(stats[i], name) for i in LAYERS]) for name in ("inputs", "attn_output"))
+
+
+def module_fit(gdn: GatedDeltaNet, x: torch.Tensor, target: torch.Tensor, phase2) -> int:
+    """Phase 2 of one layer written with torch's own pieces (the GDN module's forward, AdamW unfused,
+    `clip_grad_norm_`), the state of its lowest loss kept (offered before each step and after the last); its best
+    step."""
+    own = dict(gdn.named_parameters())
+    params = [own.get(f"{name}.weight", own.get(name)) for name in (*PROJECTIONS, *DYNAMICS)]
+    optimizer = torch.optim.AdamW([{"params": params[:3], "lr": phase2.lr_projections},
+                                   {"params": params[3:], "lr": phase2.lr_dynamics}], weight_decay=phase2.weight_decay)
+    best_loss, best_step, best_state = math.inf, None, None
+    for step in range(int(phase2.steps) + 1):
+        loss = (gdn(x)[0] - target).pow(2).mean()
+        if loss.item() < best_loss:
+            best_loss, best_step = loss.item(), step
+            best_state = {k: v.detach().clone() for k, v in gdn.state_dict().items()}
+        if step < int(phase2.steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, phase2.grad_clip)
+            optimizer.step()
+    gdn.load_state_dict(best_state)
+    return best_step
+
+
+@pytest.mark.parametrize("lr", [3e-2, 1.0], ids=["falling", "climbing"])
+def test_stack_fit_is_each_layers_own_fit(teacher, tokens, lr):
+    """Four layers fitted in one stack against each fitted alone by `module_fit`: the same best steps, and the same
+    weights within float tolerance while the fit is stable (a learning rate of 1 makes the losses climb, so some
+    layer keeps an early state; its chaotic later steps amplify rounding)."""
+    x, target = teacher_io(teacher, tokens)
+    changes = dict(lr_projections=1e-2, lr_dynamics=3e-2) if lr < 1 else dict(lr_projections=1.0, lr_dynamics=1.0,
+                                                                                grad_clip=1.0)
+    phase2 = calibration_cfg("batched", steps=8, **changes).phase2
+    stacked = [naive_gdn(teacher, i) for i in LAYERS]
+    records = fit_stack(stacked, FullBatch(x, target), phase2)
+    alone = [naive_gdn(teacher, i) for i in LAYERS]
+    best_steps = [module_fit(gdn, x[l], target[l], phase2) for l, gdn in enumerate(alone)]
+    assert [r["best_step"] for r in records] == best_steps
+    if lr < 1:
+        assert_same_layers(dict(enumerate(alone)), dict(enumerate(stacked)), atol=1e-4)
+        assert best_steps == [8] * len(LAYERS)  # the losses fell to the end
+    else:
+        assert min(best_steps) < 8  # the planted climb happened
+
+
+def test_a_pool_drawing_every_window_each_step_is_the_full_batch(teacher, tokens):
+    """A pool source whose minibatch is the whole pool (its windows shuffled), whose held-out windows are the fit
+    windows, judged every step, at a constant learning rate, is the full batch: the same layers and best steps
+    (the window order changes only the loss's rounding), and its held-out curve is the full batch's fitted losses."""
+    x, target = teacher_io(teacher, tokens)
+    phase2 = calibration_cfg("batched").phase2
+    pool_phase2 = SimpleNamespace(**{k: getattr(phase2, k) for k in ("steps", "lr_projections", "lr_dynamics",
+                                                                     "weight_decay", "grad_clip")},
+                                  batch_size=x.shape[1], select_every=1, schedule="constant")
+    batch = [naive_gdn(teacher, i) for i in LAYERS]
+    batch_records = fit_stack(batch, FullBatch(x, target), phase2)
+    pool = [naive_gdn(teacher, i) for i in LAYERS]
+    generators = [torch.Generator().manual_seed(i) for i in LAYERS]
+    pool_records = fit_stack(pool, PoolDraws((x, target), (x, target), pool_phase2, generators), pool_phase2)
+    assert_same_layers(dict(enumerate(batch)), dict(enumerate(pool)), atol=1e-5)
+    for full, drawn in zip(batch_records, pool_records):
+        assert drawn["best_step"] == full["best_step"]
+        assert [c[1] for c in drawn["held_out_curve"][:-1]] == pytest.approx(full["losses"], rel=1e-5)
+        assert drawn["held_out_loss_after"] == pytest.approx(full["loss_after"], rel=1e-5)
+
+
+# ------------------------------------------------------------------ batched against one layer at a time
 
 
 @pytest.mark.parametrize("phases", [("phase2",), ("phase1", "phase2")], ids=["phase2", "full"])
@@ -150,33 +228,26 @@ def test_batched_fit_equals_sequential_fit(teacher, tokens, phases):
         assert len(losses) == 12 and losses[-1] < losses[0]  # the fit moved every layer
 
 
-def test_layer_best_is_best_state_of_each_layer():
+def test_layer_best_keeps_each_layers_lowest_loss():
     """Planted losses for 3 layers over 4 offers and a last one: `LayerBest` keeps for each layer the step and the
-    weights `BestState` keeps for that layer alone (layer 0: step 1; layer 1: its last offer, step 3; layer 2: the
-    settled state; a NaN is never kept)."""
+    weights of its own lowest loss, the first of equal ones, a NaN never (layer 0: step 1; layer 1: its last offer,
+    step 3; layer 2: the settled state)."""
     losses = torch.tensor([[5.0, 3.0, 4.0], [2.0, 2.5, 3.5], [4.0, 2.4, float("nan")], [3.0, 1.0, 3.2]])
     last = torch.tensor([2.5, 1.5, 1.0])
     weights = torch.randn(5, 3, 2, generator=torch.Generator().manual_seed(0))  # the weights at each offer
     stacked = weights[0].clone()
     best = LayerBest([stacked])
-    singles = [torch.nn.Linear(2, 1, bias=False) for _ in range(3)]
-    references = [BestState() for _ in range(3)]
     for step in range(5):
         stacked.copy_(weights[step])
-        for l, module in enumerate(singles):
-            with torch.no_grad():
-                module.weight.copy_(weights[step, l])
-            if step < 4:
-                references[l].offer(module, losses[step, l].item(), step)
-            else:
-                references[l].settle(module, last[l].item(), step)
         if step < 4:
             best.offer(losses[step], step)
         else:
             best.settle(last, step)
-    assert best.step.tolist() == [r.step for r in references] == [1, 3, 4]
-    for l, module in enumerate(singles):
-        assert torch.equal(stacked[l], module.weight.detach()[0])
+    offered = torch.cat([losses, last[None]]).nan_to_num(nan=math.inf)
+    expected = [min(range(5), key=lambda step: (offered[step, l].item(), step)) for l in range(3)]
+    assert best.step.tolist() == expected == [1, 3, 4]
+    for l, step in enumerate(expected):
+        assert torch.equal(stacked[l], weights[step, l])
 
 
 def test_best_step_is_chosen_per_layer(teacher, tokens):
@@ -242,16 +313,11 @@ def nan_for_layer(real, layer: int, from_call: int, of_layers):
 @pytest.mark.parametrize("fit", ["batched", "sequential"])
 @pytest.mark.parametrize("mode", ["full", "full_plus"])
 def test_nan_loss_names_the_layer_and_its_first_bad_step(fit, mode, teacher, tokens, pool, tmp_path, monkeypatch):
-    """Layer 2's loss is NaN from its 4th step (step 3) on. The batched fit reads its losses every 10 steps and
-    still names step 3; the other layers (fitted beside it) are not named. Nothing of a failed batched fit is
-    cached; one after another, the layers done before layer 2 (0 and 1) are."""
-    if fit == "batched":
-        module, name = (batched_module if mode == "full" else pool_module), "stack_losses"
-        of_layers = lambda args: [g.layer_idx for g in args[0].gdns]  # noqa: E731
-    else:
-        module, name = (align_module, "alignment_loss") if mode == "full" else (pool_module, "alignment_loss")
-        of_layers = lambda args: [args[0].layer_idx]  # noqa: E731
-    monkeypatch.setattr(module, name, nan_for_layer(getattr(module, name), 2, 4, of_layers))
+    """Layer 2's loss is NaN from its 4th step (step 3) on. The fit reads its losses every 10 steps and still names
+    step 3; the other layers (fitted beside it) are not named. Nothing of a failed stack of all four is cached; one
+    layer after another, the layers done before layer 2 (0 and 1) are."""
+    of_layers = lambda args: [g.layer_idx for g in args[0].gdns]  # noqa: E731
+    monkeypatch.setattr(phase2_module, "stack_losses", nan_for_layer(phase2_module.stack_losses, 2, 4, of_layers))
     store = ArtifactStore(tmp_path / "cache")
     tokens_per_step = 2 * 24 if mode == "full" else 2 * 16
     with pytest.raises(Divergence, match=rf"^phase 2: alignment loss of layer 2 is nan at step 3 "

@@ -182,7 +182,7 @@ def calibrate_in_a_process(cache: str, run_dir: str, log_file: str, start) -> No
     handler = logging.FileHandler(log_file)
     logging.getLogger("tcal.store.cache").addHandler(handler)
     logging.getLogger("tcal.store.cache").setLevel(logging.INFO)
-    shared, one = calibrate_module.calibrate_shared, calibrate_module.calibrate_one
+    shared, one = calibrate_module.calibrate_shared, calibrate_module.calibrate_stack
 
     def together(*args, **kwargs):
         start.wait(timeout=300)
@@ -192,7 +192,7 @@ def calibrate_in_a_process(cache: str, run_dir: str, log_file: str, start) -> No
         time.sleep(1.0)
         return one(*args, **kwargs)
 
-    calibrate_module.calibrate_shared, calibrate_module.calibrate_one = together, slowly
+    calibrate_module.calibrate_shared, calibrate_module.calibrate_stack = together, slowly
     results = run(compose(*SMOKE_FULL, f"paths.cache_dir={cache}"), Path(run_dir))
     (Path(run_dir) / "digest").write_text(results["init_weights_digest"])
 

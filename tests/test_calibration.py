@@ -18,9 +18,8 @@ from conftest import compose, isolated_cache_dir, make_teacher
 
 from tcal.data.documents import token_stream
 from tcal.init import apply_init, init_student
-from tcal.init.calibration import align as align_module
 from tcal.init.calibration import calibrate as calibrate_module
-from tcal.init.calibration.align import DYNAMICS, PROJECTIONS, align_layer, parameter_groups
+from tcal.init.calibration.phase2 import DYNAMICS, PROJECTIONS, FullBatch, LayerStack, fit_stack
 from tcal.init.calibration.calibrate import (
     ArtifactStore,
     artifact_key,
@@ -310,13 +309,19 @@ def test_apply_phase1_output_gate_is_alpha_times_scaled_wv():
 
 
 def test_parameter_groups_freeze_wo_and_norm():
+    """q/k/v at the small learning rate, the dynamics at the large one, each the layer's own weights; Wo and the
+    output norm in no group."""
     gdn = tiny_gdn()
-    groups = parameter_groups(gdn, 1e-4, 1e-3)
+    stack = LayerStack([gdn])
+    groups = stack.groups(1e-4, 1e-3)
     assert [g["lr"] for g in groups] == [1e-4, 1e-3]
-    names = {id(p): n for n, p in gdn.named_parameters()}
-    assert sorted(names[id(p)] for p in groups[0]["params"]) == sorted(f"{n}.weight" for n in PROJECTIONS)
-    assert sorted(names[id(p)] for p in groups[1]["params"]) == sorted(
-        ["a_proj.weight", "b_proj.weight", "g_proj.weight", "A_log", "dt_bias"])
+    own = dict(gdn.named_parameters())
+    for group, names in zip(groups, (PROJECTIONS, DYNAMICS)):
+        assert len(group["params"]) == len(names)
+        for p, name in zip(group["params"], names):
+            torch.testing.assert_close(p[0], own.get(f"{name}.weight", own.get(name)).detach(), rtol=0, atol=0)
+    trained = {id(p) for g in groups for p in g["params"]}
+    assert id(stack.o_proj) not in trained and id(stack.o_norm) not in trained
     assert set(DYNAMICS) == {"a_proj", "b_proj", "g_proj", "A_log", "dt_bias"}
 
 
@@ -325,10 +330,15 @@ def layer_data(teacher, tokens, layer):
     return stats.inputs, stats.attn_output
 
 
-def test_align_layer_restores_lowest_loss_state(teacher, tokens, monkeypatch):
+def fit_one(gdn, x, target, phase2) -> dict:
+    """Phase 2 of one layer on the full batch: a stack of one."""
+    return fit_stack([gdn], FullBatch(x[None], target[None]), phase2)[0]
+
+
+def test_phase2_restores_lowest_loss_state(teacher, tokens, monkeypatch):
     """Planted: an AdamW that wrecks the parameters from its 4th step on. The loss falls for 3 steps, then
-    jumps; align_layer must return the state after step 3 (exactly the snapshot it took), never worse than
-    before. Also: AdamW's settings, the gradient clip, Wo / o_norm frozen, requires_grad restored."""
+    jumps; the fit must return the state after step 3 (exactly the weights after 3 optimizer steps), never worse
+    than before. Also: AdamW's settings, the gradient clip, Wo / o_norm frozen, requires_grad as it was."""
     x, target = layer_data(teacher, tokens, 2)
     gdn = naive_gdn(teacher, 2)
     frozen_before = {k: v.clone() for k, v in gdn.state_dict().items() if k.startswith(("o_proj", "o_norm"))}
@@ -336,7 +346,7 @@ def test_align_layer_restores_lowest_loss_state(teacher, tokens, monkeypatch):
     gdn.A_log.requires_grad_(False)
     flags = {n: p.requires_grad for n, p in gdn.named_parameters()}
 
-    seen = {}
+    seen = {"weights": []}
 
     class Sabotaged(torch.optim.AdamW):
         def __init__(self, groups, **kwargs):
@@ -352,13 +362,11 @@ def test_align_layer_restores_lowest_loss_state(teacher, tokens, monkeypatch):
             if self.calls >= 4:
                 for p in params:
                     p.add_(torch.randn_like(p))
+            seen["weights"].append([p.detach().clone() for p in params])
 
-    snapshots = []
-    real_snapshot = align_module.snapshot
-    monkeypatch.setattr(align_module.torch.optim, "AdamW", Sabotaged)
-    monkeypatch.setattr(align_module, "snapshot", lambda m: snapshots.append(real_snapshot(m)) or snapshots[-1])
+    monkeypatch.setattr(torch.optim, "AdamW", Sabotaged)
     cfg = calibration_cfg(steps=6, lr_projections=1e-3, lr_dynamics=1e-2).phase2
-    record = align_layer(gdn, x, target, cfg)
+    record = fit_one(gdn, x, target, cfg)
 
     losses = record["losses"]
     assert len(losses) == 6
@@ -369,19 +377,21 @@ def test_align_layer_restores_lowest_loss_state(teacher, tokens, monkeypatch):
     assert record["loss_after"] <= record["loss_before"]
     assert record["loss_before"] == pytest.approx(losses[0], rel=1e-6)
     assert alignment_loss_value(gdn, x, target) == pytest.approx(min(losses), rel=1e-6)
-    best = snapshots[-1]  # snapshots are taken only at a new best
-    assert all(torch.equal(v, best[k]) for k, v in gdn.state_dict().items())
-    assert seen["kwargs"] == {"weight_decay": 0.01} and seen["lrs"] == [1e-3, 1e-2]
+    kept = dict(zip((*PROJECTIONS, *DYNAMICS), seen["weights"][2]))  # the weights after 3 steps
+    own = dict(gdn.named_parameters())
+    for name, value in kept.items():
+        assert torch.equal(own.get(f"{name}.weight", own.get(name)).detach(), value[0]), name
+    assert seen["kwargs"] == {"weight_decay": 0.01, "fused": True} and seen["lrs"] == [1e-3, 1e-2]
     assert max(seen["norms"]) <= cfg.grad_clip * (1 + 1e-5)
     assert all(torch.equal(gdn.state_dict()[k], v) for k, v in frozen_before.items())
     assert {n: p.requires_grad for n, p in gdn.named_parameters()} == flags
 
 
-def test_align_layer_huge_learning_rate_never_worse(teacher, tokens):
+def test_phase2_huge_learning_rate_never_worse(teacher, tokens):
     """A learning rate of 1 makes AdamW diverge: the result is the best recorded state, never worse than the start."""
     x, target = layer_data(teacher, tokens, 1)
     gdn = naive_gdn(teacher, 1)
-    record = align_layer(gdn, x, target, calibration_cfg(steps=5, lr_projections=1.0, lr_dynamics=1.0).phase2)
+    record = fit_one(gdn, x, target, calibration_cfg(steps=5, lr_projections=1.0, lr_dynamics=1.0).phase2)
     assert max(record["losses"]) > record["losses"][0]  # the planted divergence happened
     assert record["loss_after"] == pytest.approx(min(record["losses"]), rel=1e-6)
     assert record["losses"][record["best_step"]] == min(record["losses"])

@@ -14,7 +14,8 @@ from conftest import compose, isolated_cache_dir, make_teacher
 
 from tcal.data.documents import Document, Splits
 from tcal.init.calibration.calibrate import ArtifactStore
-from tcal.init.calibration.pool import align_on_pool, calibrate_on_pool, minibatches
+from tcal.init.calibration.phase2 import LayerStack, fit_stack
+from tcal.init.calibration.pool import PoolDraws, calibrate_on_pool, minibatches
 from tcal.settings.init import pool_windows
 from tcal.init.full_plus import full_plus_pool
 from tcal.pipeline import run
@@ -124,14 +125,20 @@ def small_problem(seed: int = 0):
     return gdn, x, target
 
 
+def fit_on_pool(gdn, fit, held_out, phase2) -> dict:
+    """Phase 2 of one layer on the pool `fit` = (inputs, targets), `held_out` choosing its state: a stack of one."""
+    stacked = [tuple(t[None] for t in pair) for pair in (fit, held_out)]
+    return fit_stack([gdn], PoolDraws(*stacked, phase2, [torch.Generator().manual_seed(0)]), phase2)[0]
+
+
 def test_selection_keeps_the_held_out_best_not_the_last():
     """Planted: the held-out target is the starting layer's own output, so the starting state has held-out loss
     0 and every later state more. The fitted loss falls, yet the starting state (step 0) is the one kept."""
     gdn, x, target = small_problem()
     start = {k: v.clone() for k, v in gdn.state_dict().items()}
     with torch.no_grad():
-        held = (x[:2], gdn(x[:2])[0])
-    record = align_on_pool(gdn, (x[2:], target[2:]), held, pool_cfg(), torch.Generator().manual_seed(0))
+        held = (x[:2], LayerStack([gdn]).forward(x[None, :2])[0])  # the output as the fit computes it
+    record = fit_on_pool(gdn, (x[2:], target[2:]), held, pool_cfg())
     assert record["losses"][-1] < record["losses"][0]  # the fit did move the layer
     assert record["best_step"] == 0 and record["held_out_loss_after"] == 0.0
     assert all(loss > 0 for step, loss, _ in record["held_out_curve"] if step > 0)
@@ -143,7 +150,7 @@ def test_selection_keeps_the_lowest_held_out_loss():
     """The kept state's held-out loss, measured again, is the minimum of the held-out curve."""
     gdn, x, target = small_problem(1)
     held = (x[:2], target[:2])
-    record = align_on_pool(gdn, (x, target), held, pool_cfg(steps=8), torch.Generator().manual_seed(0))
+    record = fit_on_pool(gdn, (x, target), held, pool_cfg(steps=8))
     curve = {step: loss for step, loss, _ in record["held_out_curve"]}
     assert sorted(curve) == [0, 2, 4, 6, 8]
     assert record["held_out_loss_after"] == min(curve.values()) == curve[record["best_step"]]

@@ -18,8 +18,7 @@ from conftest import REPO, compose, example_record, isolated_cache_dir, make_tea
 
 from tcal.errors import Divergence
 from tcal.evaluate.perplexity import perplexity
-from tcal.init.calibration import align as align_module
-from tcal.init.calibration import batched as batched_module
+from tcal.init.calibration import phase2 as phase2_module
 from tcal.init.calibration.phase1 import apply_phase1
 from tcal.init.calibration.stats import LayerStats, blockwise_attention, collect_teacher_stats
 from tcal.pipeline import run
@@ -114,8 +113,7 @@ def nan_after(real, calls: int):
 def test_nan_in_phase2_names_layer_step_and_tokens(fit, tmp_path, monkeypatch):
     """The third loss of the first layer's fit is NaN (the batched fit reads its losses every few steps, and still
     names the first bad step)."""
-    module, name = (batched_module, "stack_losses") if fit == "batched" else (align_module, "alignment_loss")
-    monkeypatch.setattr(module, name, nan_after(getattr(module, name), 3))
+    monkeypatch.setattr(phase2_module, "stack_losses", nan_after(phase2_module.stack_losses, 3))
     cfg = compose("experiment=smoke", f"paths.cache_dir={isolated_cache_dir(tmp_path / 'cache')}", "init=phase2",
                   f"calibration.fit={fit}")
     with pytest.raises(Divergence, match=r"phase 2: alignment loss of layer 1 is nan at step 2 "

@@ -172,7 +172,7 @@ def test_ar_keeps_the_layer_whose_attention_is_essential(essential, make_ctx, sp
 
 def test_ga_s2_calibrates_each_layer_once(make_ctx, teacher, monkeypatch):
     calls = {"calibrate_layers": 0, "phase1": [], "phase2": [], "ppl": 0}
-    real = calibrate_mod.calibrate_layers, calibrate_mod.apply_phase1, calibrate_mod.align_layers, ga_s2_mod.perplexity
+    real = calibrate_mod.calibrate_layers, calibrate_mod.apply_phase1, calibrate_mod.fit_stack, ga_s2_mod.perplexity
 
     def calibrate_layers(*args, **kwargs):
         calls["calibrate_layers"] += 1
@@ -182,7 +182,7 @@ def test_ga_s2_calibrates_each_layer_once(make_ctx, teacher, monkeypatch):
         calls["phase1"].append(gdn.layer_idx)
         return real[1](gdn, *args, **kwargs)
 
-    def phase2(gdns, *args, **kwargs):  # Phase 2 of a stack of layers (`calibration.fit=batched`)
+    def phase2(gdns, *args, **kwargs):  # Phase 2 of a stack of layers
         calls["phase2"].extend(gdn.layer_idx for gdn in gdns)
         return real[2](gdns, *args, **kwargs)
 
@@ -192,7 +192,7 @@ def test_ga_s2_calibrates_each_layer_once(make_ctx, teacher, monkeypatch):
 
     monkeypatch.setattr(calibrate_mod, "calibrate_layers", calibrate_layers)
     monkeypatch.setattr(calibrate_mod, "apply_phase1", phase1)
-    monkeypatch.setattr(calibrate_mod, "align_layers", phase2)
+    monkeypatch.setattr(calibrate_mod, "fit_stack", phase2)
     monkeypatch.setattr(ga_s2_mod, "perplexity", perplexity)
 
     ctx = make_ctx(teacher, "retention=ga_s2", "init=full", "calibration.cache=true")

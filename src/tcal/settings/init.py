@@ -33,7 +33,7 @@ from tcal.settings.schedule import SCHEDULES
 
 GQA_EXPANSIONS = ("whole_head", "row_repeat")  # how a KV head serves its query heads in the GDN (tcal.student.convert)
 PHASES = ("phase1", "phase2")
-FITS = ("batched", "sequential")  # how Phase 2 advances the layers (tcal.init.calibration.batched)
+FITS = ("batched", "sequential")  # how Phase 2 advances the layers (tcal.init.calibration.phase2)
 PHASE1_RULES = ("decay", "write_gate", "value_scale", "output_gate")  # in the order they run (tcal.init.calibration.phase1)
 
 

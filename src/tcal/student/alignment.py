@@ -1,6 +1,6 @@
 """How well a GDN layer stands in for the teacher's attention: the alignment loss (MSE between the layer's output
 and the teacher's attention output on the same teacher-forced input) and its metrics, and the hooks that capture
-those inputs and outputs. Phase 2 of the init (`tcal.init.calibration.align`) and Stage 1 (`tcal.training.stages`)
+those inputs and outputs. Phase 2 of the init (`tcal.init.calibration.phase2`) and Stage 1 (`tcal.training.stages`)
 both minimize it."""
 
 from __future__ import annotations

@@ -10,19 +10,19 @@ from __future__ import annotations
 import contextlib
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from tcal.data.documents import between_windows, token_windows
-from tcal.init.calibration.align import align_layer
-from tcal.init.calibration.batched import align_layers, layer_groups, layers_per_fit
 from tcal.init.calibration.phase1 import apply_phase1
+from tcal.init.calibration.phase2 import FullBatch, fit_stack, layer_groups, layers_per_fit
 from tcal.init.calibration.stats import collect_teacher_stats
 from tcal.runtime.distributed import Ranks
 from tcal.runtime.progress import progress
-from tcal.settings.init import PHASES, CalibrationSettings
+from tcal.settings.init import PHASES, CalibrationSettings, Phase2Settings, PoolPhase2Settings
 from tcal.settings.relevance import cache_settings
 from tcal.store.cache import get_or_build_each, tensor_codec
 from tcal.store.fingerprint import digest, plain, teacher_fingerprint, tensor_bytes
@@ -149,6 +149,24 @@ def calibrate_split(todo: list[int], gdns: dict[int, GatedDeltaNet], ranks: Rank
     yield from sorted(ranks.merge(built).items())
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How a mode calibrates a stack of layers. `phase1(gdn, stats)`: Phase 1 in place, its record (None: no
+    Phase 1). `phase2`: Phase 2's settings (None: no Phase 2), on the windows of `source(layers, fit, held_out)`, a
+    `phase2.fit_stack` source built from the stacked teacher I/O of the fit windows and, when `selects`, of the
+    held-out windows (which then pick the state kept; otherwise held-out windows are check windows, measured before
+    and after). `fit`, `fit_size`: `calibration.fit` and `calibration.layers_per_fit`. `log_fit(layer, record)`
+    logs a layer's Phase 2."""
+    phase1: Callable | None
+    phase2: Phase2Settings | PoolPhase2Settings | None
+    source: Callable
+    fit: str
+    fit_size: int | None
+    block_size: int
+    log_fit: Callable[[int, dict], None]
+    selects: bool = True
+
+
 def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tensor, calibration: CalibrationSettings,
                      phases, store: ArtifactStore, check: torch.Tensor | None = None, ranks: Ranks | None = None,
                      key_settings: dict | None = None) -> dict[int, dict]:
@@ -161,86 +179,97 @@ def calibrate_layers(teacher, gdns: dict[int, GatedDeltaNet], batch: torch.Tenso
         raise ValueError(f"unknown calibration phases {unknown}; expected a subset of {PHASES}")
     settings = plain(calibration) if key_settings is None else key_settings
     keys = {i: artifact_key(teacher, i, phases, batch, settings, gdn, check) for i, gdn in gdns.items()}
+    recipe = Recipe(phase1=(lambda gdn, stats: apply_phase1(gdn, stats, calibration.phase1)) if "phase1" in phases
+                    else None, phase2=calibration.phase2 if "phase2" in phases else None,
+                    source=lambda layers, windows, held_out: FullBatch(*windows), fit=calibration.fit,
+                    fit_size=calibration.layers_per_fit, block_size=int(calibration.block_size),
+                    log_fit=log_phase2, selects=False)
+    steps = int(calibration.phase2.steps) if "phase2" in phases else 0
 
     def calibrate_some(todo: list[int]) -> Iterator[tuple[int, dict]]:
         log.info("calibrating layers %s (%s) on %s calibration tokens", todo, "+".join(phases), batch.numel())
-        stats = collect_teacher_stats(teacher, batch, layers=todo, block_size=int(calibration.block_size))
-        check_stats = None if check is None else collect_teacher_stats(teacher, check, layers=todo,
-                                                                        block_size=int(calibration.block_size))
-        steps = int(calibration.phase2.steps) if "phase2" in phases else 0
-        check_tokens = 0 if check is None else check.numel()
-        bar = progress(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step")
-        with bar:
-            if "phase2" in phases and calibration.fit == "batched":
-                size = layers_per_fit(calibration.layers_per_fit, gdns[todo[0]].A_log.device)
-                for group in layer_groups(todo, size):
-                    records = calibrate_together({i: gdns[i] for i in group}, stats, check_stats, calibration, phases,
-                                                 bar, check_tokens)
-                    for i in group:
-                        yield i, {**records[i], "cached": False}
-                return
-            for i in todo:
-                with float32_master(gdns[i]) as gdn:
-                    record = calibrate_one(gdn, i, stats[i], None if check_stats is None else check_stats[i],
-                                           calibration, phases, bar, check_tokens)
-                yield i, {**record, "cached": False}
+        with progress(total=len(todo) * max(steps, 1), desc=f"calibrate {'+'.join(phases)}", unit="step") as bar:
+            yield from calibrate_group(teacher, gdns, todo, batch, check, recipe, bar)
 
     return calibrate_shared(gdns, keys, store, ranks or Ranks(), calibrate_some)
 
 
-def calibrate_one(gdn: GatedDeltaNet, i: int, layer_stats, check_stats, calibration: CalibrationSettings,
-                  phases, bar, check_tokens: int) -> dict:
-    """One layer's phases (in place); its record."""
-    record, before = start_record(gdn, layer_stats, check_stats, calibration, phases)
-    if "phase2" in phases:
-        record["phase2"] = align_layer(gdn, *teacher_io(gdn, layer_stats), calibration.phase2, progress=bar)
-    else:
-        bar.update(1)
-    return finish_record(gdn, i, record, before, check_stats, check_tokens)
+def calibrate_group(teacher, gdns: dict[int, GatedDeltaNet], group: list[int], windows: torch.Tensor,
+                    held_out: torch.Tensor | None, recipe: Recipe, bar) -> Iterator[tuple[int, dict]]:
+    """The layers of `group` (in place) from one teacher pass over `windows` (and `held_out`), their fits stacked
+    `calibration.layers_per_fit` at a time (one with `calibration.fit=sequential`); (layer, record) as each stack is
+    done."""
+    fit_stats = collect_teacher_stats(teacher, windows, layers=group, block_size=recipe.block_size)
+    held_stats = None if held_out is None else collect_teacher_stats(teacher, held_out, layers=group,
+                                                                     block_size=recipe.block_size)
+    size = 1 if recipe.fit == "sequential" else layers_per_fit(recipe.fit_size, gdns[group[0]].A_log.device)
+    for members in layer_groups(group, size):
+        records = calibrate_stack({i: gdns[i] for i in members}, fit_stats, held_stats, recipe, bar,
+                                  0 if held_out is None else held_out.numel())
+        for i in members:
+            yield i, {**records[i], "cached": False}
 
 
-def calibrate_together(layers: dict[int, GatedDeltaNet], stats, check_stats, calibration: CalibrationSettings,
-                       phases, bar, check_tokens: int) -> dict[int, dict]:
-    """`calibrate_one` of every layer of `layers` ({index: GDN}, in place), their Phase 2 fits as one batched fit
-    (`batched.align_layers`); their records by index."""
-    checks = {i: None if check_stats is None else check_stats[i] for i in layers}
+def calibrate_stack(layers: dict[int, GatedDeltaNet], fit_stats: dict, held_stats: dict | None, recipe: Recipe, bar,
+                    check_tokens: int) -> dict[int, dict]:
+    """Phase 1 of each layer of `layers` ({index: GDN}, in place, in float32), then their Phase 2 as one
+    `fit_stack`; their records by index. Each layer's statistics are dropped from `fit_stats` (and, when they
+    select, `held_stats`) once stacked (the stacked tensors replace them)."""
+    checks = {i: None if held_stats is None or recipe.selects else held_stats[i] for i in layers}
     with contextlib.ExitStack() as masters:
         for gdn in layers.values():
             masters.enter_context(float32_master(gdn))
-        started = {i: start_record(gdn, stats[i], checks[i], calibration, phases) for i, gdn in layers.items()}
-        x, target = (torch.stack(t) for t in zip(*(teacher_io(gdn, stats[i]) for i, gdn in layers.items())))
-        fits = align_layers(list(layers.values()), x, target, calibration.phase2, bar)
-        del x, target
-        records = {}
-        for (i, gdn), fit in zip(layers.items(), fits):
-            record, before = started[i]
-            record["phase2"] = fit
-            records[i] = finish_record(gdn, i, record, before, checks[i], check_tokens)
-    return records
+        started = {i: start_record(gdn, fit_stats[i], checks[i], recipe) for i, gdn in layers.items()}
+        if recipe.phase2 is None:
+            bar.update(len(layers))
+        else:
+            windows = stacked_io(layers, fit_stats)
+            held_out = stacked_io(layers, held_stats) if recipe.selects else None
+            fits = fit_stack(list(layers.values()), recipe.source(list(layers), windows, held_out), recipe.phase2, bar)
+            del windows, held_out
+            for (record, _), fit in zip(started.values(), fits):
+                record["phase2"] = fit
+        return {i: finish_record(gdn, i, *started[i], checks[i], check_tokens, recipe.log_fit)
+                for i, gdn in layers.items()}
 
 
-def start_record(gdn: GatedDeltaNet, layer_stats, check_stats, calibration: CalibrationSettings,
-                 phases) -> tuple[dict, dict | None]:
+def stacked_io(layers: dict[int, GatedDeltaNet], stats: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) [L, N, T, D] of `layers` on their device, each layer's statistics popped from `stats` as
+    they are copied in (so one layer's tensors at a time exist twice)."""
+    first = next(iter(layers.values()))
+    inputs, targets = teacher_io(first, stats[next(iter(layers))])
+    x = inputs.new_empty(len(layers), *inputs.shape)
+    target = targets.new_empty(len(layers), *targets.shape)
+    for l, (i, gdn) in enumerate(layers.items()):
+        x[l], target[l] = teacher_io(gdn, stats.pop(i))
+    return x, target
+
+
+def start_record(gdn: GatedDeltaNet, layer_stats, check_stats, recipe: Recipe) -> tuple[dict, dict | None]:
     """A layer's record before Phase 2: its check metrics before any phase (None without check windows), then
-    Phase 1 (in place) when it is among `phases`."""
+    Phase 1 (in place) when the recipe has one."""
     record: dict = {}
     before = check_metrics(gdn, check_stats) if check_stats is not None else None
-    if "phase1" in phases:
-        record["phase1"] = apply_phase1(gdn, layer_stats, calibration.phase1)
+    if recipe.phase1 is not None:
+        record["phase1"] = recipe.phase1(gdn, layer_stats)
     return record, before
 
 
 def finish_record(gdn: GatedDeltaNet, i: int, record: dict, before: dict | None, check_stats,
-                  check_tokens: int) -> dict:
+                  check_tokens: int, log_fit: Callable[[int, dict], None]) -> dict:
     """A layer's record after its phases: Phase 2 logged, and the check metrics after, beside those before."""
     if "phase2" in record:
-        log.info("layer %d phase2: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, record["phase2"]["loss_before"],
-                 record["phase2"]["loss_after"], record["phase2"]["cosine_before"], record["phase2"]["cosine_after"])
+        log_fit(i, record["phase2"])
     if before is not None:
         record["check"] = check_record(before, check_metrics(gdn, check_stats), check_tokens)
         log.info("layer %d on %d unseen tokens: loss %.4g -> %.4g, cosine %.3f -> %.3f", i, check_tokens,
                  *(record["check"][k] for k in ("loss_before", "loss_after", "cosine_before", "cosine_after")))
     return record
+
+
+def log_phase2(layer: int, p2: dict) -> None:
+    log.info("layer %d phase2: loss %.4g -> %.4g, cosine %.3f -> %.3f", layer, p2["loss_before"], p2["loss_after"],
+             p2["cosine_before"], p2["cosine_after"])
 
 
 def calibrate_gdns(gdns: dict[int, GatedDeltaNet], ctx, phases) -> dict:

@@ -391,7 +391,7 @@ def fitted_together(calibration, work, device_type: str, world: int) -> int:
     """How many layers' Phase 2 fits share a device at once: one after another with `calibration.fit=sequential`,
     else `calibration.layers_per_fit` (by default all on a GPU, one on a CPU) of the layers whose statistics a
     rank holds together (its share of the converted layers, in groups of `work.layers_at_once`)."""
-    from tcal.init.calibration.batched import layers_per_fit
+    from tcal.init.calibration.phase2 import layers_per_fit
 
     if calibration.fit == "sequential":
         return 1

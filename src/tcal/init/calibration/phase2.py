@@ -1,16 +1,21 @@
-"""Phase 2 of several GDN layers as one batched fit (docs/method.md, section "Phase 2"): the layers' trainable
-weights stacked along a leading layer dimension [L, ...], one forward for all of them (the layers folded into the
-batch dimension of the recurrence: one `gated_delta_rule` call), one backward of the sum of their losses, one AdamW
-step.
+"""Phase 2 of the init (docs/method.md, section "Phase 2"): GDN layers trained on the alignment objective
+(`tcal.student.alignment`): each sees the teacher-forced input x (the teacher's input_layernorm output entering the
+layer) and is pulled towards the teacher attention module's output y_T on the same input, q/k/v and the dynamics at
+their own learning rates, the best state kept.
+
+One fit (`fit_stack`) for every mode: a stack of 1..L layers of one shape and a source of windows, `FullBatch` (the
+paper's: the calibration batch every step, the state of the lowest fitted loss kept) or `pool.PoolDraws`
+(`full_plus`: minibatches of a pool, the state of the lowest held-out loss kept). The layers' trainable weights are
+stacked along a leading layer dimension [L, ...]: one forward for all of them (the layers folded into the batch
+dimension of the recurrence: one `gated_delta_rule` call), one backward of the sum of their losses, one AdamW step.
 
 Nothing passes between layers: layer l's loss reaches only its own slice of the weights, its gradient is clipped by
-its own norm, AdamW is elementwise, and each layer keeps its own best state. So each layer's fit is the one
-`align.align_layer` makes alone (the one-layer-at-a-time reference, `calibration.fit=sequential`), up to float
-rounding.
+its own norm, AdamW is elementwise, and each layer keeps its own best state. So a layer's fit is the one it makes
+alone in a stack of one (`calibration.layers_per_fit=1`, or `calibration.fit=sequential`), up to float rounding.
 
-Why: a layer's fit is hundreds of small steps, and one layer after another a GPU mostly waited on kernel launches
-and on the host reading each step's loss. Here a step is every layer's work in the same launches, the best states
-stay on the device, and the losses are read every `READ_EVERY` steps.
+Why stacked: a layer's fit is hundreds of small steps, and one layer after another a GPU mostly waited on kernel
+launches and on the host reading each step's loss. Here a step is every layer's work in the same launches, the best
+states stay on the device, and the losses are read every `READ_EVERY` steps.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from tcal.errors import Divergence
-from tcal.init.calibration.align import DYNAMICS, PROJECTIONS
 from tcal.student.gdn import GatedDeltaNet, gated_delta_rule
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # trained at the small learning rate
+DYNAMICS = ("a_proj", "b_proj", "g_proj", "A_log", "dt_bias")  # at the large one; Wo and o_norm stay frozen
 READ_EVERY = 10  # steps between reads of the losses (the host's only wait on the device during a fit)
 STACKED = ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj")  # the projections, in one matmul's order
 
@@ -56,7 +62,7 @@ class LayerStack:
         return len(self.gdns)
 
     def groups(self, lr_projections: float, lr_dynamics: float) -> list[dict]:
-        """`align.parameter_groups` of the stack: q/k/v at the small learning rate, the dynamics at the large one."""
+        """Phase 2's AdamW groups: q/k/v at the small learning rate, the dynamics at the large one."""
         return [{"params": [self.params[n] for n in PROJECTIONS], "lr": lr_projections},
                 {"params": [self.params[n] for n in DYNAMICS], "lr": lr_dynamics}]
 
@@ -135,7 +141,7 @@ def clip_each_layer(params: Sequence[torch.Tensor], max_norm: float) -> None:
 
 
 class LayerBest:
-    """`align.BestState` of each layer of a stack, on the device: the lowest loss offered so far [L], its step [L],
+    """The best state of each layer of a stack, on the device (Phase 2 keeps the state of its lowest loss, not its last): the lowest loss offered so far [L], its step [L],
     and a copy of the trainable weights in which slice l is layer l's state at its lowest loss."""
 
     def __init__(self, params: Sequence[torch.Tensor]):
@@ -209,24 +215,54 @@ class StackFit:
         return [row[l] for row in self.read_rows]
 
 
-def align_layers(gdns: Sequence[GatedDeltaNet], x: torch.Tensor, target: torch.Tensor, phase2,
-                 progress: tqdm | None = None) -> list[dict]:
-    """Phase 2 of L layers together (in place): `align.align_layer` for layer l on x[l], target[l] ([L, B, T, D]),
-    full-batch AdamW for `phase2.steps` steps, each layer keeping its lowest-loss state; their records."""
+class FullBatch:
+    """The paper's windows: every step fits the whole batch, x and target [L, B, T, D] (layer l on x[l]), and each
+    layer keeps the state of its lowest fitted loss (offered before each step, and after the last one). Its records
+    hold the loss and cosine on the batch before and after."""
+
+    factor = None  # a constant learning rate
+
+    def __init__(self, x: torch.Tensor, target: torch.Tensor):
+        self.x, self.target = x, target
+        self.tokens = x.shape[1] * x.shape[2]
+
+    def start(self, stack: LayerStack) -> None:
+        self.before = stack_metrics(stack, self.x, self.target)
+
+    def windows(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x, self.target
+
+    def selection_loss(self, stack: LayerStack, step: int, losses: torch.Tensor) -> torch.Tensor:
+        return losses.detach()
+
+    @torch.no_grad()
+    def last_loss(self, stack: LayerStack, steps: int) -> torch.Tensor:
+        return stack_losses(stack, self.x, self.target)
+
+    def records(self, stack: LayerStack, fit: StackFit) -> list[dict]:
+        before, after = ([t.tolist() for t in pair] for pair in (self.before, stack_metrics(stack, self.x, self.target)))
+        return [{"loss_before": before[0][l], "cosine_before": before[1][l], "loss_after": after[0][l],
+                 "cosine_after": after[1][l], "best_step": best_step, "losses": fit.layer_losses(l)}
+                for l, best_step in enumerate(fit.best.step.tolist())]
+
+
+def fit_stack(gdns: Sequence[GatedDeltaNet], source, phase2, progress: tqdm | None = None) -> list[dict]:
+    """Phase 2 of L layers together (in place): `phase2.steps` AdamW steps, each on `source.windows(step)`; the
+    state each layer keeps is chosen by `source.selection_loss` (offered before a step, when not None) and
+    `source.last_loss` (after the last); their records, from `source.records`. `source.factor` (or None) shapes
+    the learning rate over the steps."""
     stack, steps = LayerStack(gdns), int(phase2.steps)
-    before = stack_metrics(stack, x, target)
-    fit = StackFit(stack, phase2, steps, x.shape[1] * x.shape[2], progress=progress)
+    source.start(stack)
+    fit = StackFit(stack, phase2, steps, source.tokens, source.factor, progress)
     for step in range(steps):
+        x, target = source.windows(step)
         losses = stack_losses(stack, x, target)
-        fit.best.offer(losses.detach(), step)
+        selection = source.selection_loss(stack, step, losses)
+        if selection is not None:
+            fit.best.offer(selection, step)
         fit.step(step, losses)
     fit.read(steps)
-    with torch.no_grad():
-        fit.best.settle(stack_losses(stack, x, target), steps)
-    after = stack_metrics(stack, x, target)
+    fit.best.settle(source.last_loss(stack, steps), steps)
+    records = source.records(stack, fit)
     stack.write_back()
-    before, after = [[t.tolist() for t in pair] for pair in (before, after)]
-    best_steps = fit.best.step.tolist()
-    return [{"loss_before": before[0][l], "cosine_before": before[1][l], "loss_after": after[0][l],
-             "cosine_after": after[1][l], "best_step": best_steps[l], "losses": fit.layer_losses(l)}
-            for l in range(len(stack))]
+    return records
