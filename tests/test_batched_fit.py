@@ -117,6 +117,27 @@ def test_stack_forward_is_each_layers_forward(teacher):
         LayerStack([gdns[0], GatedDeltaNet(teacher.config.hidden_size, 2, 8)])
 
 
+def test_a_stack_runs_its_layers_own_kernel(teacher, monkeypatch):
+    """The kernel the run chose for its layers (`use_gdn_kernel`) is the one the stacked fit's delta rule runs; layers
+    of two runs' kernels are not stacked together."""
+    from tcal.student.gdn import use_gdn_kernel
+
+    gdns = [use_gdn_kernel(naive_gdn(teacher, i), "torch") for i in LAYERS]
+    asked = []
+    real = phase2_module.gated_delta_rule
+
+    def recorded(*args, kernel=None, **kwargs):
+        asked.append(kernel)
+        return real(*args, kernel=kernel, **kwargs)
+
+    monkeypatch.setattr(phase2_module, "gated_delta_rule", recorded)
+    with torch.no_grad():
+        LayerStack(gdns).forward(torch.randn(len(gdns), 1, 8, teacher.config.hidden_size))
+    assert asked == ["torch"]
+    with pytest.raises(ValueError, match="one shape and kernel"):
+        LayerStack([gdns[0], use_gdn_kernel(naive_gdn(teacher, LAYERS[1]), "fla")])
+
+
 def test_clip_each_layer_is_torch_clip_of_each_layer_alone():
     """Three layers' gradients at scales 10, 1e-3 and 0.3 against a clip of 1: each is clipped by its own norm
     (the first scaled down, the second untouched), as `clip_grad_norm_` on that layer's tensors alone."""

@@ -39,14 +39,16 @@ STACKED = ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj")  # the pr
 class LayerStack:
     """The Phase 2 weights of L GDN layers of one shape, stacked: each projection's weight [L, out, D] and A_log,
     dt_bias [L, H] trainable (float32 leaves), Wo [L, D, H*dh] and the output norm's weight [L, dh] frozen, on the
-    layers' device. `write_back` copies the trained weights into the layers."""
+    layers' device; the delta rule runs the layers' own kernel (their run's choice). `write_back` copies the trained
+    weights into the layers."""
 
     def __init__(self, gdns: Sequence[GatedDeltaNet]):
         self.gdns = list(gdns)
-        shape = {(g.hidden_size, g.num_heads, g.head_dim, g.o_norm.eps) for g in self.gdns}
+        shape = {(g.hidden_size, g.num_heads, g.head_dim, g.o_norm.eps, g.kernel) for g in self.gdns}
         if len(shape) != 1:
-            raise ValueError(f"a layer stack needs GDN layers of one shape (hidden, heads, head_dim, eps); got {shape}")
-        (self.hidden_size, self.num_heads, self.head_dim, self.eps), = shape
+            raise ValueError(f"a layer stack needs GDN layers of one shape and kernel (hidden, heads, head_dim, eps, "
+                             f"kernel); got {shape}")
+        (self.hidden_size, self.num_heads, self.head_dim, self.eps, self.kernel), = shape
 
         def stacked(get) -> torch.Tensor:
             return torch.stack([get(g).detach().float() for g in self.gdns])
@@ -86,7 +88,7 @@ class LayerStack:
         v = F.silu(heads(v))
         g = -self.params["A_log"].exp()[:, None] * F.softplus(a + self.params["dt_bias"][:, None])
         beta = torch.sigmoid(b)
-        o, _ = gated_delta_rule(q, k, v, g.reshape(L * B, T, H), beta.reshape(L * B, T, H))
+        o, _ = gated_delta_rule(q, k, v, g.reshape(L * B, T, H), beta.reshape(L * B, T, H), kernel=self.kernel)
         o = o.reshape(L, B * T, H, dh)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm[:, None, None]
         o = o * F.silu(gate.reshape(L, B * T, H, dh))
