@@ -27,7 +27,7 @@ from tcal.settings.fields import (
 PROBES = ("bypass", "gdn")  # recall's probe: a layer's attention output zeroed, or replaced by its initialized GDN
 FILLS = ("text", "uniform")  # how recall places the kept layers its score does not choose
 # recall's search on the converted student after the rule (docs/method.md, "Retained-layer policies": the search)
-SEARCHES = ("none", "greedy")
+SEARCHES = ("none", "greedy", "prune")
 MIN_PROBE_LEN = 128  # a retrieval sequence holds needles, a question and an answer besides its text
 
 
@@ -169,7 +169,9 @@ class RecallRetentionSettings(RetentionSettings):
     """`recall`: layers scored by the rise of the teacher's loss on retrieved answers beyond its rise on text, on
     synthetic needle sequences cut from the calibration split. The layers whose score stands `noise_z` standard
     errors (over the probe's sequences) above 0 are kept (`scored=N`: the N highest instead), the rest by `fill`;
-    `search=greedy` then swaps fill layers for converted ones by the answer loss of the converted student."""
+    `search=greedy` then swaps fill layers for converted ones by the answer loss of the converted student;
+    `search=prune` instead removes layers one at a time from a larger keep list (`prune_from`, or the rule's list at
+    `prune_from_ratio`) down to `ratio`'s count, each time the one the student's answer loss misses least."""
 
     name: str = setting("recall", affects=[SCORES, KEEP])
     # tokens per probe sequence: as long as the shortest RULER length measured (512) and more, so that layers whose
@@ -188,12 +190,18 @@ class RecallRetentionSettings(RetentionSettings):
     noise_z: float = setting(3.0, affects=[KEEP])
     # the rest: text (highest text-loss rise, as AR would keep) or uniform (the uniform policy's slots)
     fill: str = setting("text", affects=[KEEP])
-    # greedy: then swap fill layers for converted layers by the answer loss of the student itself (run's init)
+    # greedy: then swap fill layers for converted layers by the answer loss of the student itself (run's init);
+    # prune: remove layers one at a time from a larger keep list by the same student figures, down to ratio's count
     search: str = setting("none", affects=[KEEP])
     # the search's student forwards over the probe's sequences at most, the start's included
     search_budget: int = setting(32, affects=[KEEP])
     # how far the search's swaps may raise the student's text loss over the start's, in nats a token (ln 1.03)
     text_margin: float = setting(0.0296, affects=[KEEP])
+    # prune: the keep list the elimination starts from (null: the rule's own list at prune_from_ratio; a list given
+    # here skips the rule's probe)
+    prune_from: Optional[List[int]] = setting(None, affects=[KEEP])
+    # prune with prune_from=null: the ratio whose rule list (the score's layers and the fill) the elimination starts from
+    prune_from_ratio: float = setting(0.5, affects=[KEEP])
     # reuse scores computed with the same key (false: score again, write nothing)
     cache: bool = setting(True, affects=NOTHING)
 
@@ -212,6 +220,12 @@ class RecallRetentionSettings(RetentionSettings):
         positive_int("search_budget", self.search_budget)
         if not is_number(self.text_margin) or self.text_margin < 0:
             raise bad("text_margin", self.text_margin, "a number >= 0 (nats a text token)")
+        if not is_number(self.prune_from_ratio) or not 0.0 < self.prune_from_ratio <= 1.0:
+            raise bad("prune_from_ratio", self.prune_from_ratio, "a number in (0, 1]")
+        if self.prune_from is not None and (isinstance(self.prune_from, str) or not self.prune_from
+                                            or not all(is_int(i) and i >= 0 for i in self.prune_from)):
+            raise bad("prune_from", self.prune_from, "null (the rule's list at prune_from_ratio) or a non-empty list "
+                                                     "of layer indices >= 0, e.g. [0,1,16,18]")
         if self.scored is not None and (not is_int(self.scored) or self.scored < 0):
             raise bad("scored", self.scored, "null (the layers above the probe's noise) or an integer >= 0")
         if not is_number(self.noise_z) or self.noise_z < 0:
@@ -231,6 +245,22 @@ class RecallRetentionSettings(RetentionSettings):
         if self.scored is not None and self.scored > kept:
             raise SettingError(Key("scored"), f"={self.scored} is more than the {kept} layers ", Key("ratio"),
                                f"={self.ratio} keeps of {num_layers}")
+        if self.search != "prune":
+            return
+        if self.prune_from is None:
+            start = num_kept(self.prune_from_ratio, num_layers)
+            if start < kept:
+                raise SettingError(Key("prune_from_ratio"), f"={self.prune_from_ratio} keeps {start} of {num_layers} "
+                                   f"layers, fewer than the {kept} that ", Key("ratio"), f"={self.ratio} keeps")
+            return
+        try:
+            start = len(validate_keep_layers(list(self.prune_from), num_layers))
+        except ValueError as err:
+            raise SettingError(Key("prune_from"),
+                               f"={list(self.prune_from)}: {str(err).replace('keep_layers ', '')}") from None
+        if start < kept:
+            raise SettingError(Key("prune_from"), f"={list(self.prune_from)} keeps {start} layers, fewer than the "
+                               f"{kept} that ", Key("ratio"), f"={self.ratio} keeps of {num_layers}")
 
     def initializes_layers(self) -> bool:
         return self.probe == "gdn" or self.search != "none"
