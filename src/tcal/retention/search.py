@@ -187,6 +187,8 @@ def prune_search(measure, start: list[int], target: int, budget: int, text_margi
         entry = {"move": move, "step": step, "keep": sorted(keep), "answer": mean_column(rows, 0),
                  "text": mean_column(rows, 1), "losses": rows, "seconds": round(time.perf_counter() - begun, 3)}
         path.append(entry)
+        log.info("retention recall prune: forward %d of at most %d (%s, %d kept): answer %.4f, text %.4f; %.1f s",
+                 len(path), budget, move, len(entry["keep"]), entry["answer"], entry["text"], entry["seconds"])
         return entry
 
     keep = sorted(start)
