@@ -31,8 +31,9 @@ def without_seconds(details: dict) -> dict:
     search = dict(details["search"])
     for key in ("seconds", "init_seconds"):
         search.pop(key)
-    search["path"] = [{k: v for k, v in e.items() if k != "seconds"} for e in search["path"]]
-    search["steps"] = [{k: v for k, v in s.items() if k != "seconds"} for s in search["steps"]]
+    timing = ("seconds", "cpu_seconds")
+    search["path"] = [{k: v for k, v in e.items() if k not in timing} for e in search["path"]]
+    search["steps"] = [{k: v for k, v in s.items() if k not in timing} for s in search["steps"]]
     return {**details, "seconds": None, "search": search}
 
 

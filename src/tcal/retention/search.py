@@ -170,7 +170,8 @@ def prune_search(measure, start: list[int], target: int, budget: int, text_margi
     loss among those whose mean text loss is within `text_margin` of the step's lowest (ties: the lower index).
     Returns {"method": "prune", "keep", "removed" (in order), "steps" (each step's set, its figures, the layer
     removed, its forwards and seconds), "path" (every forward: its move, keep list, mean answer and text loss,
-    per-sequence losses; a candidate's paired rises over S with their standard errors and whether the text margin
+    per-sequence losses, wall and CPU seconds (the CPU seconds of the process: on a shared core, what one thread
+    spent); a candidate's paired rises over S with their standard errors and whether the text margin
     let it be chosen), "forwards", "stopped", and the settings it ran with}."""
     path: list[dict] = []
     steps: list[dict] = []
@@ -182,13 +183,15 @@ def prune_search(measure, start: list[int], target: int, budget: int, text_margi
                 "text_margin": float(text_margin)}
 
     def forward(keep, move: str, step: int, record: bool = False) -> dict:
-        begun = time.perf_counter()
+        begun, begun_cpu = time.perf_counter(), time.process_time()
         rows = measure(sorted(keep), record)
         entry = {"move": move, "step": step, "keep": sorted(keep), "answer": mean_column(rows, 0),
-                 "text": mean_column(rows, 1), "losses": rows, "seconds": round(time.perf_counter() - begun, 3)}
+                 "text": mean_column(rows, 1), "losses": rows, "seconds": round(time.perf_counter() - begun, 3),
+                 "cpu_seconds": round(time.process_time() - begun_cpu, 3)}
         path.append(entry)
-        log.info("retention recall prune: forward %d of at most %d (%s, %d kept): answer %.4f, text %.4f; %.1f s",
-                 len(path), budget, move, len(entry["keep"]), entry["answer"], entry["text"], entry["seconds"])
+        log.info("retention recall prune: forward %d of at most %d (%s, %d kept): answer %.4f, text %.4f; %.1f s "
+                 "(%.1f s of CPU)", len(path), budget, move, len(entry["keep"]), entry["answer"], entry["text"],
+                 entry["seconds"], entry["cpu_seconds"])
         return entry
 
     keep = sorted(start)
@@ -198,7 +201,7 @@ def prune_search(measure, start: list[int], target: int, budget: int, text_margi
         return done(keep, "budget")
     current = forward(keep, "start", 0, record=True)
     while len(keep) > target:
-        step, begun, before = len(steps) + 1, time.perf_counter(), len(path)
+        step, begun, begun_cpu, before = len(steps) + 1, time.perf_counter(), time.process_time(), len(path)
         if step > 1:
             if len(path) >= budget:
                 return done(keep, "budget")
@@ -218,7 +221,8 @@ def prune_search(measure, start: list[int], target: int, budget: int, text_margi
         chosen = min((c for c in candidates if c["within_text_margin"]), key=lambda c: (c["answer"], c["layer"]))
         steps.append({"step": step, "keep": list(keep), "answer": current["answer"], "text": current["text"],
                       "removed": chosen["layer"], "forwards": len(path) - before,
-                      "seconds": round(time.perf_counter() - begun, 3)})
+                      "seconds": round(time.perf_counter() - begun, 3),
+                      "cpu_seconds": round(time.process_time() - begun_cpu, 3)})
         log.info("retention recall prune, step %d: %d kept (answer %.3f, text %.3f) -> removed %d (answer %.3f, "
                  "text %.3f; %d forwards, %.1f s)", step, len(keep), current["answer"], current["text"],
                  chosen["layer"], chosen["answer"], chosen["text"], len(path) - before, time.perf_counter() - begun)
