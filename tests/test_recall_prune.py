@@ -246,7 +246,8 @@ def test_the_report_prints_the_elimination_path():
 
     rule = {"probe": "bypass", "seq_len": 1024, "scored_layers": [16, 18, 19], "fill": "text",
             "rule": "score - 3.0 * se > 0", "scored": None, "noise_z": 3.0}
-    search = {"method": "prune", "start": list(range(15)), "keep": list(range(8)), "removed": [14, 13, 12, 11, 10, 9, 8],
+    search = {"method": "prune", "start": list(range(15)), "keep": list(range(8)),
+              "removed": [14, 13, 12, 11, 10, 9, 8],
               "forwards": 91, "budget": 91, "stopped": "target reached", "init": "phase2"}
     assert retention_variant({**rule, "search": search}) == (
         "bypass/1024 rule z=3 (16 18 19) fill=text search=prune 15->8: -14 -13 -12 -11 -10 -9 -8 "

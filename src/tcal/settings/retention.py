@@ -200,7 +200,7 @@ class RecallRetentionSettings(RetentionSettings):
     # prune: the keep list the elimination starts from (null: the rule's own list at prune_from_ratio; a list given
     # here skips the rule's probe)
     prune_from: Optional[List[int]] = setting(None, affects=[KEEP])
-    # prune with prune_from=null: the ratio whose rule list (the score's layers and the fill) the elimination starts from
+    # prune with prune_from=null: the ratio whose rule list (score's layers and fill) the elimination starts from
     prune_from_ratio: float = setting(0.5, affects=[KEEP])
     # reuse scores computed with the same key (false: score again, write nothing)
     cache: bool = setting(True, affects=NOTHING)
