@@ -252,3 +252,24 @@ def test_the_report_prints_the_elimination_path():
     assert retention_variant({**rule, "search": search}) == (
         "bypass/1024 rule z=3 (16 18 19) fill=text search=prune 15->8: -14 -13 -12 -11 -10 -9 -8 "
         "(91/91 forwards, target reached, phase2)")
+
+
+def test_the_report_tables_every_step_of_the_elimination(make_ctx, tokenizer):
+    """`tcal-report`'s elimination table: a row per step of a run's path, with the removed layer's student figures
+    as the path recorded them; runs without an elimination give no row."""
+    from pathlib import Path
+
+    from tcal.tools.figures import Run, elimination_table
+
+    ctx = make_ctx(induction_teacher(tokenizer), *FROM_ALL)
+    details = select_layers(ctx.settings.retention, ctx).details
+    fields = dict(path=Path("run"), teacher="toy", policy="recall", ratio=0.5, init_mode="naive",
+                  gqa_expansion="whole_head", teacher_ppl={}, student_ppl={}, nlu={}, ruler={}, curve=[])
+    header, rows = elimination_table([Run(**fields, retention_details=details),
+                                      Run(**fields, retention_details={"scored_layers": [3]})])
+    search = details["search"]
+    assert [r[header.index("removed")] for r in rows] == [str(i) for i in search["removed"]]
+    assert [r[header.index("kept")] for r in rows] == ["4", "3"]
+    assert rows[-1][header.index("kept after")] == " ".join(map(str, search["keep"]))
+    last = next(e for e in search["path"] if e.get("layer") == search["removed"][-1] and e["step"] == 2)
+    assert rows[-1][header.index("answer NLL")] == f"{last['answer']:.3f}"

@@ -452,6 +452,28 @@ def pruning(search: dict) -> str:
             f"{search['budget']} forwards, {search['stopped']}, {search['init']})")
 
 
+def elimination_table(runs: list[Run]) -> Table:
+    """The path of every `retention.search=prune` run, a row a step: the set's size, the layer removed, its student's
+    mean answer and text loss on the probe's sequences with their paired rises over the set (± standard error),
+    the set left, the step's forwards and its wall and CPU seconds."""
+    header = ["teacher", "ratio", "init", "step", "kept", "removed", "answer NLL", "answer rise", "text NLL",
+              "text rise", "kept after", "forwards", "seconds (CPU)"]
+    rows = []
+    for run in runs:
+        search = (run.retention_details or {}).get("search") or {}
+        if search.get("method") != "prune":
+            continue
+        by_layer = {(e["step"], e["layer"]): e for e in search["path"] if "layer" in e}
+        for step in search["steps"]:
+            chosen = by_layer[(step["step"], step["removed"])]
+            rows.append([run.teacher, f"{run.ratio:g}", run.init, str(step["step"]), str(len(step["keep"])),
+                         str(step["removed"]), f"{chosen['answer']:.3f}",
+                         f"{chosen['answer_rise']:+.3f} ± {chosen['answer_se']:.3f}", f"{chosen['text']:.3f}",
+                         f"{chosen['text_rise']:+.3f} ± {chosen['text_se']:.3f}", " ".join(map(str, chosen["keep"])),
+                         str(step["forwards"]), f"{step['seconds']:.0f} ({step.get('cpu_seconds', 0):.0f})"])
+    return header, rows
+
+
 def ablation_table(runs: list[Run]) -> Table:
     """The paper's phase-ablation layout, one row per GQA expansion (plus `full_plus` when it ran)."""
     inits = [*ABLATION_INITS, *(["full_plus"] if any(r.init_mode == "full_plus" for r in runs) else [])]
