@@ -8,8 +8,9 @@ held-out Shakespeare (the eval split) and the Python reference.
 Without `--run` it prints one `tcal` command per cell (run them two at a time, one thread each); with `--run` it
 runs them, `--jobs` at once, each with OMP_NUM_THREADS=1 and its log beside its run folder
 (outputs/prune_curve-<count>/...). The results file is the elimination run's (its `retention_details.search`); the
-Python reference is made as sweeps/recall_table.yaml says. The cell at the path's start (the default recall list
-at 0.5) is in docs/results.md already.
+Python reference is made as sweeps/recall_table.yaml says. Run the cells in the elimination run's working folder,
+so that they read its calibrated layers from its cache (.cache/tcal) instead of calibrating again. The cell at the
+path's start (the default recall list at 0.5) is in docs/results.md already.
 """
 
 from __future__ import annotations
