@@ -250,7 +250,7 @@ def test_the_search_needs_the_calibration_split_as_an_initializing_policy():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["retention.search=beam"], r"^retention.search='beam'; expected one of none, greedy$"),
+    (["retention.search=beam"], r"^retention.search='beam'; expected one of none, greedy, prune$"),
     (["retention.search_budget=0"], r"^retention.search_budget=0; expected a positive integer$"),
     (["retention.text_margin=-0.1"], r"^retention.text_margin=-0.1; expected a number >= 0"),
 ])

@@ -33,7 +33,9 @@ scores (`tcal.retention.cache`; `probe=gdn` adds the init, the calibration and t
 every ratio, `scored`, `fill` and `noise_z`. The details (both rises and the standard error per layer, the rule's
 figures, the scored layers, the probe's size and its seconds) go to results.json `retention_details`.
 
-`search=greedy` then measures students instead of the teacher, from this keep list (`tcal.retention.search`).
+`search=greedy` then measures students instead of the teacher, from this keep list; `search=prune` removes layers
+one at a time from the rule's list at `prune_from_ratio` (or from `prune_from`, without the probe) by the same
+students' figures (`tcal.retention.search`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from tcal.retention import Selection
 from tcal.retention.ar import attention_bypassed
 from tcal.retention.cache import score_folder, selection_key, top_k
 from tcal.retention.probe import earlier_layers_replayed, layer_outputs_recorded, probe_sequences, sequence_losses
-from tcal.retention.search import searched
+from tcal.retention.search import pruned, searched
 from tcal.runtime.progress import progress
 from tcal.settings.fields import INIT
 from tcal.settings.retention import FILLS, PROBES, RecallRetentionSettings, num_kept, uniform_layers
@@ -168,6 +170,8 @@ def recall(retention: RecallRetentionSettings, ctx) -> Selection:
     if k == num_layers:
         log.info("retention recall: ratio %s keeps all %d layers; nothing to score", retention.ratio, num_layers)
         return Selection(list(range(num_layers)))
+    if retention.search == "prune" and retention.prune_from is not None:
+        return pruned(retention, ctx, list(retention.prune_from))
     key, parts = selection_key(retention, ctx, (INIT,) if retention.probe == "gdn" else ())
 
     def compute() -> dict:
@@ -212,4 +216,9 @@ def recall(retention: RecallRetentionSettings, ctx) -> Selection:
     selection = Selection(keep, scores, details)
     if retention.search == "none":
         return selection
+    if retention.search == "prune":
+        k0 = num_kept(retention.prune_from_ratio, num_layers)
+        start = keep_list(chosen_by_score(scores, se, k0, retention.scored, float(retention.noise_z)),
+                          figures["text_rise"], k0, retention.fill, num_layers)
+        return pruned(retention, ctx, start, selection)
     return searched(retention, ctx, selection, figures["text_rise"], figures["answer_rise"])

@@ -16,7 +16,9 @@ from tcal.settings.fields import (
     Settings,
     at_least,
     bad,
+    bound,
     declared,
+    is_int,
     is_number,
     one_of,
     optional,
@@ -28,7 +30,7 @@ from tcal.settings.fields import (
 PROBES = ("bypass", "gdn")  # recall's probe: a layer's attention output zeroed, or replaced by its initialized GDN
 FILLS = ("text", "uniform")  # how recall places the kept layers its score does not choose
 # recall's search on the converted student after the rule (docs/method.md, "Retained-layer policies": the search)
-SEARCHES = ("none", "greedy")
+SEARCHES = ("none", "greedy", "prune")
 MIN_PROBE_LEN = 128  # a retrieval sequence holds needles, a question and an answer besides its text
 probe_length = at_least(MIN_PROBE_LEN, f"an integer >= {MIN_PROBE_LEN} (a probe sequence holds needles, a question "
                         f"and an answer besides its text)", integer=True)
@@ -173,7 +175,9 @@ class RecallRetentionSettings(RetentionSettings):
     """`recall`: layers scored by the rise of the teacher's loss on retrieved answers beyond its rise on text, on
     synthetic needle sequences cut from the calibration split. The layers whose score stands `noise_z` standard
     errors (over the probe's sequences) above 0 are kept (`scored=N`: the N highest instead), the rest by `fill`;
-    `search=greedy` then swaps fill layers for converted ones by the answer loss of the converted student."""
+    `search=greedy` then swaps fill layers for converted ones by the answer loss of the converted student;
+    `search=prune` instead removes layers one at a time from a larger keep list (`prune_from`, or the rule's list at
+    `prune_from_ratio`) down to `ratio`'s count, each time the one the student's answer loss misses least."""
 
     name: str = setting("recall", affects=[SCORES, KEEP])
     # tokens per probe sequence: as long as the shortest RULER length measured (512) and more, so that layers whose
@@ -193,12 +197,21 @@ class RecallRetentionSettings(RetentionSettings):
     noise_z: float = setting(3.0, affects=[KEEP], check=at_least(0, "a number >= 0 (standard errors above 0)"))
     # the rest: text (highest text-loss rise, as AR would keep) or uniform (the uniform policy's slots)
     fill: str = setting("text", affects=[KEEP], check=one_of(FILLS))
-    # greedy: then swap fill layers for converted layers by the answer loss of the student itself (run's init)
+    # greedy: then swap fill layers for converted layers by the answer loss of the student itself (run's init);
+    # prune: remove layers one at a time from a larger keep list by the same student figures, down to ratio's count
     search: str = setting("none", affects=[KEEP], check=one_of(SEARCHES))
     # the search's student forwards over the probe's sequences at most, the start's included
     search_budget: int = setting(32, affects=[KEEP], check=positive_int)
     # how far the search's swaps may raise the student's text loss over the start's, in nats a token (ln 1.03)
     text_margin: float = setting(0.0296, affects=[KEEP], check=at_least(0, "a number >= 0 (nats a text token)"))
+    # prune: the keep list the elimination starts from (null: the rule's own list at prune_from_ratio; a list given
+    # here skips the rule's probe)
+    prune_from: Optional[List[int]] = setting(None, affects=[KEEP], check=optional(bound(
+        lambda keep: not isinstance(keep, str) and bool(keep) and all(is_int(i) and i >= 0 for i in keep),
+        "null (the rule's list at prune_from_ratio) or a non-empty list of layer indices >= 0, e.g. [0,1,16,18]")))
+    # prune with prune_from=null: the ratio whose rule list (score's layers and fill) the elimination starts from
+    prune_from_ratio: float = setting(0.5, affects=[KEEP], check=bound(lambda r: is_number(r) and 0.0 < r <= 1.0,
+                                                                        "a number in (0, 1]"))
     # reuse scores computed with the same key (false: score again, write nothing)
     cache: bool = setting(True, affects=NOTHING)
 
@@ -218,6 +231,22 @@ class RecallRetentionSettings(RetentionSettings):
         if self.scored is not None and self.scored > kept:
             raise SettingError(Key("scored"), f"={self.scored} is more than the {kept} layers ", Key("ratio"),
                                f"={self.ratio} keeps of {num_layers}")
+        if self.search != "prune":
+            return
+        if self.prune_from is None:
+            start = num_kept(self.prune_from_ratio, num_layers)
+            if start < kept:
+                raise SettingError(Key("prune_from_ratio"), f"={self.prune_from_ratio} keeps {start} of {num_layers} "
+                                   f"layers, fewer than the {kept} that ", Key("ratio"), f"={self.ratio} keeps")
+            return
+        try:
+            start = len(validate_keep_layers(list(self.prune_from), num_layers))
+        except ValueError as err:
+            raise SettingError(Key("prune_from"),
+                               f"={list(self.prune_from)}: {str(err).replace('keep_layers ', '')}") from None
+        if start < kept:
+            raise SettingError(Key("prune_from"), f"={list(self.prune_from)} keeps {start} layers, fewer than the "
+                               f"{kept} that ", Key("ratio"), f"={self.ratio} keeps of {num_layers}")
 
     def initializes_layers(self) -> bool:
         return self.probe == "gdn" or self.search != "none"

@@ -420,8 +420,12 @@ RANKED_LAYERS = (7, 16, 18)  # SmolLM2's retrieving layers (docs/results.md, "Lo
 def retention_variant(details: dict | None) -> str:
     """How a recall run chose its layers, from its results.json `retention_details`: the probe (and its length),
     the scored layers and what chose them (the rule with its margin, or `scored=N`), the fill, and the search's
-    accepted swaps with its forwards and budget; "-" for the other policies. Records written before the rule (no
-    `rule` field) chose the `scored` highest, all kept when unset."""
+    accepted swaps with its forwards and budget, or the elimination's path (`search=prune`: the layers removed in
+    order, from how many to how many); "-" for the other policies. Records written before the rule (no `rule`
+    field) chose the `scored` highest, all kept when unset."""
+    search = (details or {}).get("search")
+    if search and search.get("method") == "prune" and "scored_layers" not in details:
+        return f"prune_from={' '.join(map(str, search['start']))} {pruning(search)}"
     if not details or "scored_layers" not in details:
         return MISSING
     scored = details["scored_layers"]
@@ -433,11 +437,41 @@ def retention_variant(details: dict | None) -> str:
         how = f"scored={details['scored']}"
     length = f"/{details['seq_len']}" if "seq_len" in details else ""
     variant = f"{details['probe']}{length} {how} ({' '.join(map(str, scored)) or 'none'}) fill={details['fill']}"
-    search = details.get("search")
-    if search:
+    if search and search.get("method") == "prune":
+        variant += f" {pruning(search)}"
+    elif search:
         variant += (f" search={' '.join(search['swaps']) or 'no swap'} ({search['forwards']}/{search['budget']} "
                     f"forwards, {search['init']})")
     return variant
+
+
+def pruning(search: dict) -> str:
+    """`search=prune` as the report names it: the elimination's path, its forwards and budget, why it stopped."""
+    removed = " ".join(f"-{i}" for i in search["removed"]) or "nothing removed"
+    return (f"search=prune {len(search['start'])}->{len(search['keep'])}: {removed} ({search['forwards']}/"
+            f"{search['budget']} forwards, {search['stopped']}, {search['init']})")
+
+
+def elimination_table(runs: list[Run]) -> Table:
+    """The path of every `retention.search=prune` run, a row a step: the set's size, the layer removed, its student's
+    mean answer and text loss on the probe's sequences with their paired rises over the set (± standard error),
+    the set left, the step's forwards and its wall and CPU seconds."""
+    header = ["teacher", "ratio", "init", "step", "kept", "removed", "answer NLL", "answer rise", "text NLL",
+              "text rise", "kept after", "forwards", "seconds (CPU)"]
+    rows = []
+    for run in runs:
+        search = (run.retention_details or {}).get("search") or {}
+        if search.get("method") != "prune":
+            continue
+        by_layer = {(e["step"], e["layer"]): e for e in search["path"] if "layer" in e}
+        for step in search["steps"]:
+            chosen = by_layer[(step["step"], step["removed"])]
+            rows.append([run.teacher, f"{run.ratio:g}", run.init, str(step["step"]), str(len(step["keep"])),
+                         str(step["removed"]), f"{chosen['answer']:.3f}",
+                         f"{chosen['answer_rise']:+.3f} ± {chosen['answer_se']:.3f}", f"{chosen['text']:.3f}",
+                         f"{chosen['text_rise']:+.3f} ± {chosen['text_se']:.3f}", " ".join(map(str, chosen["keep"])),
+                         str(step["forwards"]), f"{step['seconds']:.0f} ({step.get('cpu_seconds', 0):.0f})"])
+    return header, rows
 
 
 def ablation_table(runs: list[Run]) -> Table:

@@ -23,6 +23,7 @@ from tcal.tools.figures import (
     after_training_table,
     collect,
     efficiency_table,
+    elimination_table,
     markdown_table,
     plot_curves,
     plot_positions,
@@ -54,6 +55,9 @@ def build_report(folder: Path, out_dir: Path, baseline: str = "zero_gate", calib
               "after_training": ("After training (Stage 1; Stage 1 + 2)", after_training_table(runs), []),
               "retrieval": ("Retrieval: RULER exact match ± standard error (examples) per subtask and length, needle "
                             "subtasks and the others apart", retrieval_table(runs), []),
+              "elimination": ("Backward elimination (retention.search=prune): each step's set, the layer removed, "
+                              "its student's loss on the probe's answers and text, their rises ± standard error",
+                              elimination_table(runs), []),
               "by_position": ("Zero-shot perplexity by position in the window (student PPL and student/teacher per "
                               "bucket of positions)", position_table(runs), [])}
     counts = (f"{len(runs)} complete runs, {len(found.failed)} failed, {len(found.incomplete)} incomplete, "
