@@ -91,6 +91,7 @@ def test_split_work_on_one_rank_computes_every_item():
     assert Ranks(1, 3).share(range(7)) == [1, 4]
 
 
+@pytest.mark.slow  # two ranks of gloo: 35-70 s; `make test-slow`
 def test_two_ranks_of_batch_2_give_the_curve_of_one_process_of_batch_4(tmp_path):
     distill = ("stage=distill", "init=zero_gate", "stage.seq_len=32", "stage.max_tokens=384",
                "stage.eval_every_tokens=128")

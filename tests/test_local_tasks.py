@@ -140,6 +140,7 @@ def _harness_rank(rank: int, world: int, port: int, documents: list[str], folder
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two ranks of gloo: 50-80 s; `make test-slow`
 def test_two_ranks_split_the_documents_and_give_one_process_figures(documents, tmp_path):
     from tcal.cli.rank import free_port
 
